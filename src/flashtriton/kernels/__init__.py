@@ -1,0 +1,1 @@
+"""Triton kernels (forward.py, backward.py), their shared helpers and the launch-config table."""

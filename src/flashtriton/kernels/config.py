@@ -1,0 +1,113 @@
+"""Launch parameters for every kernel, in one table.
+
+A config is looked up by (arch, head-dim bucket, dtype, causal). ``arch`` is ``"sm90"`` for Hopper,
+``"cuda"`` for any other CUDA GPU, and ``"interpreter"`` for Triton's CPU interpreter, where tiles
+are small so that tiny test shapes still span several tiles and reach every boundary path.
+The sm90 rows were measured on an H200 (benchmarks/NOTES.md has the sweep).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+# Smallest tile edge tl.dot accepts.
+MIN_BLOCK = 16
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    block_m: int  # query rows per program
+    block_n: int  # key rows per inner step
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    # dK/dV kernel: a program owns block_n_kv keys and streams queries block_m_kv at a time.
+    block_m_kv: int
+    block_n_kv: int
+    # dQ kernel: a program owns block_m_q queries and streams keys block_n_q at a time.
+    block_m_q: int
+    block_n_q: int
+    num_warps: int
+    num_stages: int
+
+
+# Rows of the preprocessing kernel (delta = rowsum(dO * O)) per program.
+PREPROCESS_BLOCK_M = 64
+
+_INTERPRETER_FORWARD = ForwardConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+_INTERPRETER_BACKWARD = BackwardConfig(16, 16, 16, 16, num_warps=1, num_stages=1)
+
+# (max head dim, forward, backward) for 2-byte dtypes; first row whose head dim fits wins.
+_SM90_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
+    (64, ForwardConfig(128, 64, 4, 3), BackwardConfig(32, 128, 128, 32, 4, 3)),
+    (128, ForwardConfig(128, 64, 8, 2), BackwardConfig(32, 128, 128, 32, 8, 2)),
+    (256, ForwardConfig(64, 64, 4, 2), BackwardConfig(32, 64, 64, 32, 4, 1)),
+)
+
+# Other CUDA GPUs (smaller shared memory than Hopper): conservative tiles.
+_CUDA_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
+    (64, ForwardConfig(128, 64, 4, 2), BackwardConfig(32, 64, 64, 32, 4, 2)),
+    (128, ForwardConfig(64, 64, 4, 2), BackwardConfig(32, 64, 64, 32, 4, 1)),
+    (256, ForwardConfig(64, 32, 4, 1), BackwardConfig(16, 32, 32, 16, 4, 1)),
+)
+
+
+def arch_of(device: torch.device, interpreting: bool) -> str:
+    if interpreting:
+        return "interpreter"
+    major, _ = torch.cuda.get_device_capability(device)
+    return "sm90" if major == 9 else "cuda"
+
+
+def block_d(head_dim: int) -> int:
+    """Head dims that are not a power of two are padded (and masked) up to one."""
+    return max(MIN_BLOCK, triton.next_power_of_2(head_dim))
+
+
+def _row(arch: str, head_dim: int) -> tuple[int, ForwardConfig, BackwardConfig]:
+    table = _SM90_TABLE if arch == "sm90" else _CUDA_TABLE
+    padded = block_d(head_dim)
+    for row in table:
+        if padded <= row[0]:
+            return row
+    raise ValueError(f"no launch config for head dim {head_dim}")
+
+
+def _halve_for_fp32(cfg, dtype: torch.dtype):
+    """fp32 tiles take twice the shared memory; halve the streamed tile edge."""
+    if dtype != torch.float32:
+        return cfg
+    if isinstance(cfg, ForwardConfig):
+        return ForwardConfig(cfg.block_m, max(MIN_BLOCK, cfg.block_n // 2), cfg.num_warps, 1)
+    return BackwardConfig(
+        max(MIN_BLOCK, cfg.block_m_kv // 2),
+        cfg.block_n_kv,
+        cfg.block_m_q,
+        max(MIN_BLOCK, cfg.block_n_q // 2),
+        cfg.num_warps,
+        1,
+    )
+
+
+def forward_config(arch: str, head_dim: int, dtype: torch.dtype, causal: bool) -> ForwardConfig:
+    if arch == "interpreter":
+        return _INTERPRETER_FORWARD
+    return _halve_for_fp32(_row(arch, head_dim)[1], dtype)
+
+
+def backward_config(arch: str, head_dim: int, dtype: torch.dtype, causal: bool) -> BackwardConfig:
+    if arch == "interpreter":
+        return _INTERPRETER_BACKWARD
+    return _halve_for_fp32(_row(arch, head_dim)[2], dtype)
+
+
+# Tiles of the PyTorch (CPU) path: large enough for efficient matmuls, small enough that the
+# per-tile score matrix stays a few MiB per (batch, head).
+TORCH_BLOCK_M = 256
+TORCH_BLOCK_N = 512
