@@ -44,9 +44,7 @@ def attention_reference(
         scores = scores.masked_fill(cols > rows + (n_k - n_q), float("-inf"))
     # Rows with no visible key: softmax over nothing. Give them finite scores so no NaN reaches
     # autograd, then zero their output and set their lse to +inf.
-    empty = torch.isneginf(scores).all(dim=-1, keepdim=True) if n_k > 0 else scores.new_ones(
-        scores.shape[:-1] + (1,), dtype=torch.bool
-    )
+    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
     scores = scores.masked_fill(empty, 0.0)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     probs = torch.exp(scores - lse).masked_fill(empty, 0.0)

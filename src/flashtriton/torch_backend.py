@@ -91,7 +91,7 @@ def backward(
     softmax_scale: float,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    batch, n_q, heads, _ = q.shape
+    batch, n_q = q.shape[:2]
     n_k, heads_k = k.shape[1], k.shape[2]
     # delta = rowsum(dO * O) - dLSE; the dLSE term carries gradients through the returned LSE
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2) - dlse
