@@ -10,8 +10,8 @@ Notation (as in every kernel file)
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * LOG2E)
-LN2: tl.constexpr = 0.6931471805599453  # ln(2): converts a base-2 LSE to natural log
+LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) == exp2(x * LOG2E)
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): converts a base-2 LSE to natural log
 
 
 @triton.jit
