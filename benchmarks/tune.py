@@ -21,8 +21,7 @@ from flashtriton.kernels import config
 from flashtriton.reference import attention_reference
 
 FWD_CANDIDATES = [
-    config.ForwardConfig(bm, bn, w, s)
-    for bm, bn, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
+    config.ForwardConfig(bm, bn, w, s) for bm, bn, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
 ]
 BWD_CANDIDATES = [
     config.BackwardConfig(mkv, nkv, mq, nq, w, s)
@@ -35,7 +34,9 @@ BWD_CANDIDATES = [
 
 
 def _inputs(batch, seqlen, heads, head_dim, dtype):
-    return [torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
+    return [
+        torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)
+    ]
 
 
 def _error(q, k, v, causal, mode):
@@ -89,7 +90,10 @@ def main():
         res = sweep(head_dim, causal, args.seqlen, mode)
         results.append(res)
         b = res["best"]
-        print(f"d={head_dim} causal={causal} {mode}: best {b and b['config']} {b and round(b['tflops'])} TFLOP/s", flush=True)
+        print(
+            f"d={head_dim} causal={causal} {mode}: best {b and b['config']} {b and round(b['tflops'])} TFLOP/s",
+            flush=True,
+        )
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 

@@ -177,8 +177,8 @@ def run_case(case: Case, provider: str, device: torch.device, modes=MODES) -> Re
         elif mode == "fwd_bwd":
             ms = time_ms(lambda: fwd().backward(grad))
         else:
-            out = fwd()
-            ms = time_ms(lambda: out.backward(grad, retain_graph=True))
+            graph_out = fwd()
+            ms = time_ms(lambda graph_out=graph_out: graph_out.backward(grad, retain_graph=True))
         result.ms[mode] = ms
         flops = attention_flops(case.batch, case.heads, case.seqlen, case.seqlen, case.head_dim, case.causal, mode)
         result.tflops[mode] = flops / (ms * 1e-3) / 1e12
@@ -285,10 +285,17 @@ def plot(results: list[Result], path_prefix: str, modes) -> list[str]:
             pts = sorted(
                 (r.case.seqlen, r.tflops[mode])
                 for r in results
-                if r.provider == provider and (r.case.head_dim, r.case.causal) == (head_dim, causal) and mode in r.tflops
+                if r.provider == provider
+                and (r.case.head_dim, r.case.causal) == (head_dim, causal)
+                and mode in r.tflops
             )
             if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=provider, linewidth=2.5 if provider == "flashtriton" else 1)
+                ax.plot(
+                    *zip(*pts, strict=True),
+                    marker="o",
+                    label=provider,
+                    linewidth=2.5 if provider == "flashtriton" else 1,
+                )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length")
         ax.set_ylabel("TFLOP/s")

@@ -108,9 +108,7 @@ def _backward(ctx, dout, dlse):
     # a caller may use only one of the two outputs
     dout = torch.zeros_like(out) if dout is None else dout
     dlse = torch.zeros_like(lse) if dlse is None else dlse
-    dq, dk, dv = attention_backward(
-        dout, dlse, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic
-    )
+    dq, dk, dv = attention_backward(dout, dlse, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
     return dq, dk, dv, None, None, None
 
 

@@ -31,8 +31,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise TypeError(f"q, k, v have dtype {q.dtype}: supported dtypes are {names}; cast the inputs")
     if k.shape != v.shape:
         raise ValueError(
-            f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape "
-            "(batch, seqlen_k, nheads_k, headdim)"
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape (batch, seqlen_k, nheads_k, headdim)"
         )
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q has batch {q.shape[0]}, k and v have batch {k.shape[0]}: they must match")
@@ -42,8 +41,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     heads, heads_k = q.shape[2], k.shape[2]
     if heads_k == 0 or heads % heads_k != 0:
         raise ValueError(
-            f"k and v have {heads_k} heads, q has {heads}: q heads must be a positive multiple of "
-            "k heads (MQA/GQA)"
+            f"k and v have {heads_k} heads, q has {heads}: q heads must be a positive multiple of k heads (MQA/GQA)"
         )
 
 

@@ -1,0 +1,107 @@
+"""Targets, shapes and the one tolerance rule shared by the tests."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from flashtriton import attention_reference
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    device: str
+    backend: str
+    size: str  # which shape list applies: "cpu", "tiny" or "gpu"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def available_targets() -> list[Target]:
+    targets = [Target("cpu-torch", "cpu", "torch", "cpu")]
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        targets.append(Target("cpu-interp", "cpu", "triton", "tiny"))
+    if torch.cuda.is_available():
+        targets.append(Target("cuda-triton", "cuda", "triton", "gpu"))
+    return targets
+
+
+TARGETS = available_targets()
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    n_q: int
+    n_k: int
+    heads: int
+    heads_k: int
+    head_dim: int
+
+    def __str__(self) -> str:
+        gqa = f"h{self.heads}/{self.heads_k}" if self.heads != self.heads_k else f"h{self.heads}"
+        return f"b{self.batch}-q{self.n_q}-k{self.n_k}-{gqa}-d{self.head_dim}"
+
+
+def target_params(shapes_by_size: dict[str, list], targets=None):
+    """pytest params (target, item) for every available target and that target's items."""
+    params = []
+    for target in targets or TARGETS:
+        for item in shapes_by_size[target.size]:
+            params.append(pytest.param(target, item, id=f"{target}-{item}"))
+    return params
+
+
+def dtypes_for(target: Target) -> list[torch.dtype]:
+    if target.device == "cuda":
+        return [torch.float16, torch.bfloat16]
+    return [torch.float32, torch.float16] if target.size == "tiny" else [torch.float32, torch.bfloat16]
+
+
+def random_qkv(shape: Shape, dtype, device, requires_grad=True):
+    q = torch.randn(shape.batch, shape.n_q, shape.heads, shape.head_dim, dtype=dtype, device=device)
+    k = torch.randn(shape.batch, shape.n_k, shape.heads_k, shape.head_dim, dtype=dtype, device=device)
+    v = torch.randn(shape.batch, shape.n_k, shape.heads_k, shape.head_dim, dtype=dtype, device=device)
+    return tuple(x.requires_grad_(requires_grad) for x in (q, k, v))
+
+
+def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
+
+
+FLOOR_ULPS = 16
+
+
+def assert_close_to_reference(name: str, actual, exact, plain) -> None:
+    """The one tolerance rule: |actual - exact| <= 2 * |plain - exact| + floor, elementwise max.
+
+    ``exact`` is the fp64 reference, ``plain`` plain PyTorch attention in the inputs' dtype. The
+    floor is a few fp32 ulps at the reference's magnitude: the kernels accumulate in fp32, and
+    the backward's dP - delta cancels, so fp32 inputs cannot beat that whatever plain does.
+    +inf entries (LSE of rows that see no key) must match exactly.
+    """
+    assert actual.shape == exact.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(exact.shape)}"
+    assert not torch.isnan(actual).any(), f"{name}: NaN in output"
+    inf = torch.isinf(exact)
+    assert torch.equal(torch.isinf(actual), inf), f"{name}: +inf entries differ from the reference"
+    actual, exact, plain = actual[~inf], exact[~inf], plain[~inf]
+    if not exact.numel():
+        return
+    floor = FLOOR_ULPS * torch.finfo(torch.float32).eps * max(1.0, exact.abs().max().item())
+    err, base = max_error(actual, exact), max_error(plain, exact)
+    assert err <= 2 * base + floor, f"{name}: error {err:.3e} > 2 x plain PyTorch's {base:.3e} + {floor:.1e}"
+
+
+def reference_outputs(q, k, v, dout, dlse, causal, softmax_scale=None, compute_dtype=torch.float64):
+    """out, lse, dq, dk, dv of the reference on copies of q, k, v (loss = <out, dout> + <lse, dlse>)."""
+    inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out, lse = attention_reference(*inputs, softmax_scale=softmax_scale, causal=causal, compute_dtype=compute_dtype)
+    finite = torch.isfinite(lse)
+    loss = (out * dout.to(out.dtype)).sum() + (lse[finite] * dlse[finite].to(lse.dtype)).sum()
+    loss.backward()
+    return (out.detach(), lse.detach(), *(x.grad for x in inputs))

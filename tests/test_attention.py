@@ -1,0 +1,170 @@
+"""Numerics of flash_attn_func against the fp64 reference, on every available target."""
+
+import pytest
+import torch
+
+import flashtriton
+from flashtriton import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from helpers import (
+    TARGETS,
+    Shape,
+    assert_close_to_reference,
+    dtypes_for,
+    random_qkv,
+    reference_outputs,
+    target_params,
+)
+
+# Odd lengths on purpose: 1, 17, 113, 1000 never fill a tile; n_q > n_k under causal leaves rows
+# with no visible key; heads != heads_k is GQA/MQA; head dims 40, 72, 96, 160 are padded in-kernel.
+SHAPES = {
+    "tiny": [
+        Shape(1, 1, 1, 1, 1, 16),
+        Shape(2, 17, 17, 2, 1, 40),
+        Shape(1, 33, 50, 4, 2, 24),
+        Shape(1, 50, 21, 2, 2, 16),
+        Shape(1, 40, 40, 1, 1, 72),
+    ],
+    "cpu": [
+        Shape(1, 1, 1, 2, 2, 64),
+        Shape(2, 17, 17, 4, 2, 40),
+        Shape(1, 113, 113, 4, 1, 72),
+        Shape(1, 300, 120, 2, 1, 64),
+        Shape(1, 1000, 1000, 2, 2, 96),
+        Shape(2, 257, 1000, 4, 2, 160),
+    ],
+    "gpu": [
+        Shape(1, 1, 1, 2, 2, 64),
+        Shape(2, 17, 113, 4, 1, 40),
+        Shape(1, 113, 17, 4, 4, 72),
+        Shape(2, 1000, 1000, 8, 2, 96),
+        Shape(1, 1000, 1000, 4, 4, 128),
+        Shape(1, 1500, 1500, 4, 2, 160),
+        Shape(2, 777, 1300, 4, 2, 256),
+        Shape(1, 4096, 4096, 8, 2, 64),
+        Shape(1, 3000, 2000, 4, 4, 128),
+    ],
+}
+
+
+def _run(q, k, v, causal, dout, dlse, **kwargs):
+    out, lse, probs = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **kwargs)
+    assert probs is None
+    loss = (out * dout).sum() + (lse[torch.isfinite(lse)] * dlse[torch.isfinite(lse)]).sum()
+    loss.backward()
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("backend,shape", target_params(SHAPES), indirect=["backend"])
+def test_matches_reference(backend, shape, causal):
+    """out, LSE and all three gradients (including the gradient through the returned LSE)."""
+    for dtype in dtypes_for(backend):
+        q, k, v = random_qkv(shape, dtype, backend.device)
+        dout = torch.randn(q.shape, dtype=dtype, device=q.device)
+        dlse = torch.randn(shape.batch, shape.heads, shape.n_q, device=q.device)
+        ours = _run(q, k, v, causal, dout, dlse)
+        exact = reference_outputs(q, k, v, dout, dlse, causal)
+        plain = reference_outputs(q, k, v, dout, dlse, causal, compute_dtype=None)
+        for name, a, e, p in zip(("out", "lse", "dq", "dk", "dv"), ours, exact, plain, strict=True):
+            assert a.dtype == (torch.float32 if name == "lse" else dtype), name
+            assert_close_to_reference(f"{name} ({dtype})", a, e, p)
+
+
+ONE_SHAPE = {
+    "tiny": [Shape(2, 45, 30, 4, 2, 40)],
+    "cpu": [Shape(2, 300, 200, 4, 2, 72)],
+    "gpu": [Shape(2, 1000, 700, 8, 2, 72)],
+}
+
+
+@pytest.mark.parametrize("backend,shape", target_params(ONE_SHAPE), indirect=["backend"])
+def test_rows_without_keys_are_zero_not_nan(backend, shape):
+    """Causal with n_q > n_k: the first n_q - n_k queries see no key."""
+    q, k, v = random_qkv(shape, torch.float16, backend.device)
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    out.backward(torch.randn_like(out))
+    empty = shape.n_q - shape.n_k
+    assert torch.equal(out[:, :empty], torch.zeros_like(out[:, :empty]))
+    assert torch.isposinf(lse[:, :, :empty]).all()
+    assert torch.isfinite(lse[:, :, empty:]).all()
+    assert torch.equal(q.grad[:, :empty], torch.zeros_like(q.grad[:, :empty]))
+    for x in (out, q.grad, k.grad, v.grad):
+        assert not torch.isnan(x).any()
+    assert q.grad[:, empty:].abs().amax() > 0
+
+
+@pytest.mark.parametrize("backend,shape", target_params(ONE_SHAPE), indirect=["backend"])
+def test_backward_is_bitwise_deterministic(backend, shape):
+    q, k, v = random_qkv(shape, torch.float16, backend.device)
+    dout = torch.randn(q.shape, dtype=q.dtype, device=q.device)
+    runs = []
+    for _ in range(3):
+        for x in (q, k, v):
+            x.grad = None
+        out = flash_attn_func(q, k, v, causal=True, deterministic=True)
+        out.backward(dout)
+        runs.append((out, q.grad, k.grad, v.grad))
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend,shape", target_params(ONE_SHAPE), indirect=["backend"])
+def test_packed_and_strided_inputs_match_contiguous(backend, shape):
+    """qkv-packed, kv-packed and transposed-storage inputs run without copies and agree."""
+    q, k, v = random_qkv(shape, torch.float16, backend.device, requires_grad=False)
+    expected = flash_attn_func(q, k, v, causal=True)
+    kv = torch.stack([k, v], dim=2)
+    torch.testing.assert_close(flash_attn_kvpacked_func(q, kv, causal=True), expected)
+    # (batch, heads, seqlen, dim) storage viewed as (batch, seqlen, heads, dim)
+    q_t, k_t, v_t = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    assert not q_t.is_contiguous()
+    torch.testing.assert_close(flash_attn_func(q_t, k_t, v_t, causal=True), expected)
+    if shape.n_q == shape.n_k and shape.heads == shape.heads_k:
+        qkv = torch.stack([q, k, v], dim=2)
+        torch.testing.assert_close(flash_attn_qkvpacked_func(qkv, causal=True), expected)
+
+
+@pytest.mark.parametrize("backend,shape", target_params(ONE_SHAPE), indirect=["backend"])
+def test_qkvpacked_gradient_reaches_packed_tensor(backend, shape):
+    n = min(shape.n_q, shape.n_k)
+    qkv = torch.randn(shape.batch, n, 3, shape.heads, shape.head_dim, device=backend.device, requires_grad=True)
+    dout = torch.randn(shape.batch, n, shape.heads, shape.head_dim, device=backend.device)
+    flash_attn_qkvpacked_func(qkv, causal=True).backward(dout)
+    q, k, v = (x.detach().clone().requires_grad_() for x in qkv.detach().unbind(2))
+    flash_attn_func(q, k, v, causal=True).backward(dout)
+    torch.testing.assert_close(qkv.grad, torch.stack([q.grad, k.grad, v.grad], dim=2))
+
+
+@pytest.mark.parametrize("backend,shape", target_params(ONE_SHAPE), indirect=["backend"])
+def test_softmax_scale(backend, shape):
+    q, k, v = random_qkv(shape, torch.float32, backend.device, requires_grad=False)
+    out = flash_attn_func(q, k, v, softmax_scale=0.37, causal=False)
+    ref, _ = flashtriton.attention_reference(q, k, v, softmax_scale=0.37, compute_dtype=torch.float64)
+    plain, _ = flashtriton.attention_reference(q, k, v, softmax_scale=0.37, compute_dtype=None)
+    assert_close_to_reference("out", out, ref, plain)
+
+
+@pytest.mark.parametrize("backend", TARGETS, ids=str, indirect=True)
+@pytest.mark.parametrize("n_q,n_k,batch", [(0, 5, 1), (5, 0, 1), (5, 5, 0)], ids=["no-queries", "no-keys", "no-batch"])
+def test_empty_inputs(backend, n_q, n_k, batch):
+    q = torch.randn(batch, n_q, 2, 16, device=backend.device, requires_grad=True)
+    k = torch.randn(batch, n_k, 2, 16, device=backend.device, requires_grad=True)
+    v = torch.randn(batch, n_k, 2, 16, device=backend.device, requires_grad=True)
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
+    assert out.shape == q.shape and lse.shape == (batch, 2, n_q)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all()
+    out.sum().backward()
+    assert torch.equal(k.grad, torch.zeros_like(k)) and torch.equal(q.grad, torch.zeros_like(q))
+
+
+@pytest.mark.parametrize("backend", TARGETS, ids=str, indirect=True)
+def test_autocast_runs_in_autocast_dtype(backend):
+    dtype = torch.float16 if backend.device == "cuda" else torch.bfloat16
+    q, k, v = (torch.randn(1, 20, 2, 16, device=backend.device) for _ in range(3))
+    with torch.autocast(backend.device, dtype=dtype):
+        out = flash_attn_func(q, k, v)
+    assert out.dtype == dtype
+    ref, _ = flashtriton.attention_reference(q, k, v)
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
