@@ -59,7 +59,7 @@ def target_params(shapes_by_size: dict[str, list], targets=None):
 
 def dtypes_for(target: Target) -> list[torch.dtype]:
     if target.device == "cuda":
-        return [torch.float16, torch.bfloat16]
+        return [torch.float16, torch.bfloat16, torch.float32]
     return [torch.float32, torch.float16] if target.size == "tiny" else [torch.float32, torch.bfloat16]
 
 

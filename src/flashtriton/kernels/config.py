@@ -45,8 +45,8 @@ _INTERPRETER_BACKWARD = BackwardConfig(16, 16, 16, 16, num_warps=1, num_stages=1
 
 # (max head dim, forward, backward) for 2-byte dtypes; first row whose head dim fits wins.
 _SM90_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
-    (64, ForwardConfig(128, 64, 8, 3), BackwardConfig(32, 128, 128, 32, 4, 3)),
-    (128, ForwardConfig(128, 128, 8, 3), BackwardConfig(32, 128, 128, 32, 8, 2)),
+    (64, ForwardConfig(128, 64, 8, 3), BackwardConfig(64, 64, 64, 64, 4, 2)),
+    (128, ForwardConfig(128, 128, 8, 3), BackwardConfig(64, 128, 128, 64, 8, 2)),
     (256, ForwardConfig(64, 64, 4, 2), BackwardConfig(32, 64, 64, 32, 4, 1)),
 )
 
