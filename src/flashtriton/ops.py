@@ -6,7 +6,8 @@ autograd formula connects the two. Inputs arrive validated from the public API; 
 pick a backend and call its launcher.
 
 Backend: environment variable FLASHTRITON_BACKEND, read at each call:
-  auto (default)  Triton kernels for CUDA tensors, the PyTorch path for anything else
+  auto (default)  Triton kernels for fp16/bf16 CUDA tensors, the PyTorch path for anything else
+                  (fp32 included: the kernels' hardware exp2 is approximate, about 4x plain fp32's error)
   triton          Triton kernels (CPU tensors too when TRITON_INTERPRET=1: Triton's interpreter)
   torch           the PyTorch path (torch_backend.py) on any device
 """
@@ -30,12 +31,12 @@ def _triton_backend() -> ModuleType:
     return triton_backend
 
 
-def select_backend(device: torch.device) -> ModuleType:
-    """The module (triton_backend or torch_backend) that runs attention for tensors on ``device``."""
+def select_backend(device: torch.device, dtype: torch.dtype) -> ModuleType:
+    """The module (triton_backend or torch_backend) that runs attention for these tensors."""
     name = os.environ.get(BACKEND_ENV, "auto")
     if name not in BACKENDS:
         raise ValueError(f"{BACKEND_ENV}={name!r} is not a backend: use one of {', '.join(BACKENDS)}")
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
+    if name == "torch" or (name == "auto" and (device.type != "cuda" or dtype == torch.float32)):
         return torch_backend
     backend = _triton_backend()
     if device.type != "cuda" and not backend.interpreting():
@@ -56,7 +57,7 @@ def attention_forward(
         # nothing to compute, or no key at all: every row is empty
         out = q.new_zeros(batch, n_q, heads, head_dim)
         return out, q.new_full((batch, heads, n_q), float("inf"), dtype=torch.float32)
-    return select_backend(q.device).forward(q, k, v, softmax_scale, causal)
+    return select_backend(q.device, q.dtype).forward(q, k, v, softmax_scale, causal)
 
 
 @attention_forward.register_fake
@@ -81,7 +82,7 @@ def attention_backward(
     """dq, dk, dv. Every backend's backward is deterministic, so ``deterministic`` needs no branch."""
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    backend = select_backend(q.device)
+    backend = select_backend(q.device, q.dtype)
     return backend.backward(dout, dlse, q, k, v, out, lse, softmax_scale, causal)
 
 

@@ -26,13 +26,13 @@ import triton.language as tl
 from .common import LOG2E, key_range, load_rows, load_tile, query_range, store_tile, visible
 
 
-@triton.jit(do_not_specialize=["N_Q"])
+@triton.jit(do_not_specialize=["N_Q", "H"])
 def attention_backward_preprocess_kernel(
     O, DO, DLSE, DELTA,
     stride_ob, stride_om, stride_oh,
     stride_dob, stride_dom, stride_doh,
-    N_Q,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    N_Q, H,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -80,7 +80,7 @@ def _dkdv_tiles(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K"])
+@triton.jit(do_not_specialize=["N_Q", "N_K", "H", "GROUP"])
 def attention_backward_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qm, stride_qh,
@@ -89,14 +89,14 @@ def attention_backward_dkdv_kernel(
     stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
-    N_Q, N_K, qk_scale, softmax_scale,
-    H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    N_Q, N_K, qk_scale, softmax_scale, H, GROUP,
+    D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_bhk = tl.program_id(1)
-    HKV: tl.constexpr = H // GROUP
+    HKV = H // GROUP
     b = (pid_bhk // HKV).to(tl.int64)
     hk = (pid_bhk % HKV).to(tl.int64)
     n0 = pid_n * BLOCK_N
@@ -166,7 +166,7 @@ def _dq_tiles(
     return dq
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K"])
+@triton.jit(do_not_specialize=["N_Q", "N_K", "H", "GROUP"])
 def attention_backward_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
     stride_qb, stride_qm, stride_qh,
@@ -174,8 +174,8 @@ def attention_backward_dq_kernel(
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dqb, stride_dqm, stride_dqh,
-    N_Q, N_K, qk_scale, softmax_scale,
-    H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    N_Q, N_K, qk_scale, softmax_scale, H, GROUP,
+    D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     EVEN_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip

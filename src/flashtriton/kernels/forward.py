@@ -57,15 +57,15 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K"])
+@triton.jit(do_not_specialize=["N_Q", "N_K", "H", "GROUP"])
 def attention_forward_kernel(
     Q, K, V, O, LSE,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
-    N_Q, N_K, qk_scale,
-    H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    N_Q, N_K, qk_scale, H, GROUP,
+    D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
