@@ -60,7 +60,7 @@ def forward(
     lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)
 
     arch = config.arch_of(q.device, interpreting())
-    cfg = config.forward_config(arch, head_dim, run_dtype, causal)
+    cfg = config.forward_config(arch, head_dim, run_dtype)
     grid = (triton.cdiv(n_q, cfg.block_m), batch * heads)
     attention_forward_kernel[grid](
         q, k, v, out, lse,
@@ -95,7 +95,7 @@ def backward(
     n_k, heads_k = k.shape[1], k.shape[2]
     group = heads // heads_k
     arch = config.arch_of(q.device, interpreting())
-    cfg = config.backward_config(arch, head_dim, run_dtype, causal)
+    cfg = config.backward_config(arch, head_dim, run_dtype)
     common = dict(H=heads, D=head_dim, BLOCK_D=config.block_d(head_dim))
     dots = dict(CAUSAL=causal, DOT_PRECISION=_dot_precision(run_dtype))
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)

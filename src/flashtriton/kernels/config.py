@@ -1,9 +1,11 @@
 """Launch parameters for every kernel, in one table.
 
-A config is looked up by (arch, head-dim bucket, dtype, causal). ``arch`` is ``"sm90"`` for Hopper,
+A config is looked up by (arch, head-dim bucket, dtype). ``arch`` is ``"sm90"`` for Hopper,
 ``"cuda"`` for any other CUDA GPU, and ``"interpreter"`` for Triton's CPU interpreter, where tiles
 are small so that tiny test shapes still span several tiles and reach every boundary path.
-The sm90 rows were measured on an H200 (benchmarks/NOTES.md has the sweep).
+The sm90 rows for head dims <= 128 won an H200 sweep (benchmarks/NOTES.md), where causal and
+non-causal picked the same tiles, so causal is not a key. The head-dim-256 row and the table for
+other CUDA GPUs are unmeasured starting points that only fit shared memory.
 """
 
 from __future__ import annotations
@@ -95,13 +97,13 @@ def _halve_for_fp32(cfg, dtype: torch.dtype):
     )
 
 
-def forward_config(arch: str, head_dim: int, dtype: torch.dtype, causal: bool) -> ForwardConfig:
+def forward_config(arch: str, head_dim: int, dtype: torch.dtype) -> ForwardConfig:
     if arch == "interpreter":
         return _INTERPRETER_FORWARD
     return _halve_for_fp32(_row(arch, head_dim)[1], dtype)
 
 
-def backward_config(arch: str, head_dim: int, dtype: torch.dtype, causal: bool) -> BackwardConfig:
+def backward_config(arch: str, head_dim: int, dtype: torch.dtype) -> BackwardConfig:
     if arch == "interpreter":
         return _INTERPRETER_BACKWARD
     return _halve_for_fp32(_row(arch, head_dim)[2], dtype)
