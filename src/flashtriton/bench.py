@@ -2,9 +2,10 @@
 
 FLOPs (one formula, the FlashAttention-2 paper's): forward 4 * B * H * N_Q * N_K * D, halved
 when causal; backward 2.5x the forward, so forward+backward 3.5x. Times are medians of
-triton.testing.do_bench on random inputs. Peak extra memory is the allocator's peak during one
-forward+backward beyond what the inputs already held. Error is the max abs difference of the
-forward output from an fp32 reference on the first (batch, head) of the case.
+triton.testing.do_bench on random inputs. Writes ``results.json`` (rewritten after every
+measurement, so a run cut short still leaves what it measured) and one ``bench.png`` with a
+TFLOP/s-against-seqlen panel per (head dim, causal, mode). ``--resume`` continues a run that was
+cut short (a device's time limit) from its results.json.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -20,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +32,21 @@ from .reference import attention_reference
 
 MODES = ("fwd", "bwd", "fwd_bwd")
 TOKENS, HIDDEN = 16384, 2048  # the FlashAttention-2 paper's sweep: batch * seqlen and heads * headdim
+OURS = "flashtriton"
+SCHEMA = "flashtriton-bench/2"
+
+# Written into results.json so the file explains itself.
+DEFINITIONS = {
+    "case": "batch x seqlen = 16k tokens, heads x head_dim = 2048 (CPU: batch 1, 4 heads, head_dim 64)",
+    "ms": "median milliseconds of triton.testing.do_bench (CPU: median of 3), per mode",
+    "tflops": "FLOPs / time; FLOPs = 4*B*H*N*N*D (x0.5 causal) for fwd, x2.5 for bwd, x3.5 for fwd_bwd",
+    "ratios": f"{OURS} rows only: ratios[peer][mode] = peer ms / {OURS} ms (> 1: {OURS} is faster)",
+    "peak_extra_mib": "allocator peak during one fwd+bwd beyond what was allocated before it (CUDA only)",
+    "max_error": "max abs difference of the forward output from an fp32 reference, first (batch, head)",
+    "first_call_s": "wall seconds of the provider's first fwd+bwd on the case: JIT compile included when the "
+    "kernels were not yet compiled in this process (the first seqlen of each head dim and causal flag)",
+    "unavailable": "why the provider has no numbers for the case (unsupported, not installed, out of memory)",
+}
 
 
 def attention_flops(batch, heads, n_q, n_k, head_dim, causal, mode) -> float:
@@ -56,6 +74,7 @@ class Result:
     provider: str
     ms: dict[str, float] = field(default_factory=dict)
     tflops: dict[str, float] = field(default_factory=dict)
+    ratios: dict[str, dict[str, float]] = field(default_factory=dict)
     peak_extra_mib: float | None = None
     max_error: float | None = None
     first_call_s: float | None = None
@@ -85,8 +104,11 @@ def _sdpa(backend_name: str):
 def _flex(q, k, v, causal):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    torch._dynamo.config.recompile_limit = 1000  # never fall back to eager across the sweep's shapes
-    compiled = torch.compile(flex_attention)
+    # Static shapes: each case compiles for its own shape, as a user with one shape gets it (by default
+    # dynamo recompiles with dynamic shapes from the second shape on; see benchmarks/NOTES.md).
+    torch._dynamo.config.recompile_limit = 1000
+    torch._functorch.config.donated_buffer = False  # the "bwd" mode calls backward(retain_graph=True)
+    compiled = torch.compile(flex_attention, dynamic=False)
     mask = None
     if causal:
         offset = k.shape[1] - q.shape[1]
@@ -109,7 +131,7 @@ def _sdpa_default(q, k, v, causal):
 
 
 PROVIDERS: dict[str, Callable] = {
-    "flashtriton": lambda q, k, v, causal: lambda: flash_attn_func(q, k, v, causal=causal),
+    OURS: lambda q, k, v, causal: lambda: flash_attn_func(q, k, v, causal=causal),
     "sdpa": _sdpa_default,
     "sdpa-cudnn": _sdpa("CUDNN_ATTENTION"),
     "sdpa-flash": _sdpa("FLASH_ATTENTION"),
@@ -145,6 +167,11 @@ def _standard_fits(case: Case, device: torch.device) -> bool:
     return case.batch * case.heads * case.seqlen**2 <= limit
 
 
+def _failure(exc: Exception) -> str:
+    first_line = str(exc).splitlines()[0][:120] if str(exc) else ""
+    return f"{type(exc).__name__}: {first_line}"
+
+
 def run_case(case: Case, provider: str, device: torch.device, modes=MODES) -> Result:
     result = Result(case, provider)
     if provider in GPU_ONLY and device.type != "cuda":
@@ -153,21 +180,28 @@ def run_case(case: Case, provider: str, device: torch.device, modes=MODES) -> Re
     if provider == "standard" and not _standard_fits(case, device):
         result.unavailable = "N x N scores too large"
         return result
+    try:
+        _measure(result, device, modes)
+    except Exception as exc:  # a peer that does not support this case, is not installed, or runs out of memory
+        result.ms, result.tflops, result.unavailable = {}, {}, _failure(exc)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def _measure(result: Result, device: torch.device, modes) -> None:
+    case = result.case
     dtype = getattr(torch, case.dtype)
     shape = (case.batch, case.seqlen, case.heads, case.head_dim)
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    try:
-        fwd = PROVIDERS[provider](q, k, v, case.causal)
-        start = time.perf_counter()
-        out = fwd()
-        grad = torch.randn_like(out)
-        out.backward(grad)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        result.first_call_s = time.perf_counter() - start
-    except Exception as exc:  # a peer that does not support this case (or is not installed)
-        result.unavailable = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
-        return result
+    fwd = PROVIDERS[result.provider](q, k, v, case.causal)
+    start = time.perf_counter()
+    out = fwd()
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    result.first_call_s = time.perf_counter() - start
     result.max_error = _forward_error(out, q, k, v, case.causal)
     time_ms = _timer(device)
     for mode in modes:
@@ -183,7 +217,6 @@ def run_case(case: Case, provider: str, device: torch.device, modes=MODES) -> Re
         flops = attention_flops(case.batch, case.heads, case.seqlen, case.seqlen, case.head_dim, case.causal, mode)
         result.tflops[mode] = flops / (ms * 1e-3) / 1e12
     result.peak_extra_mib = _peak_extra_mib(fwd, grad, device)
-    return result
 
 
 def _forward_error(out, q, k, v, causal) -> float:
@@ -203,23 +236,62 @@ def _peak_extra_mib(fwd, grad, device) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
 
+def attach_ratios(results: list[Result]) -> None:
+    """ratios[peer][mode] = peer ms / our ms on each of our results, for every peer measured on its case."""
+    by_case: dict[Case, list[Result]] = {}
+    for r in results:
+        by_case.setdefault(r.case, []).append(r)
+    for r in results:
+        if r.provider != OURS:
+            continue
+        r.ratios = {
+            peer.provider: {m: peer.ms[m] / r.ms[m] for m in r.ms if m in peer.ms}
+            for peer in by_case[r.case]
+            if peer.provider != OURS and peer.ms
+        }
+
+
+def _source_digest() -> str:
+    """sha256 over the package's .py files: names the measured source even without git."""
+    package = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _git(*args: str) -> str | None:
+    with contextlib.suppress(subprocess.CalledProcessError, FileNotFoundError):
+        return subprocess.check_output(
+            ["git", *args], text=True, stderr=subprocess.DEVNULL, cwd=Path(__file__).parent
+        ).rstrip("\n")
+    return None
+
+
 def environment() -> dict:
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
         "platform": platform.platform(),
+        "command": sys.argv,
+        "source_digest": _source_digest(),
     }
+    if _git("ls-files", "--", "."):  # the package is tracked here, so the checkout's commit describes it
+        info["commit"] = _git("rev-parse", "HEAD")
+        info["commit_subject"] = _git("log", "-1", "--format=%s")
+        status = _git("status", "--porcelain", "--untracked-files=all", "--", ".")
+        info["uncommitted"] = [line[3:] for line in status.splitlines()]  # "XY path" lines: the paths
     with contextlib.suppress(ImportError):
         import triton
 
         info["triton"] = triton.__version__
-    with contextlib.suppress(subprocess.CalledProcessError, FileNotFoundError):
-        info["commit"] = subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
-        ).strip()
     if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = props.name
+        info["sm_count"] = props.multi_processor_count
         with contextlib.suppress(subprocess.CalledProcessError, FileNotFoundError):
             info["driver"] = subprocess.check_output(
                 ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], text=True
@@ -238,75 +310,105 @@ def default_cases(device: torch.device, head_dims, seqlens, causal_options, dtyp
     ]
 
 
-def _progress(items, enabled):
-    total = len(items)
+def _progress(items):
+    """Yields items, printing each on stderr (one updating line on a terminal, one line each in a log)."""
+    total, start = len(items), time.perf_counter()
+    end = "\r" if sys.stderr.isatty() else "\n"
     for i, item in enumerate(items, 1):
-        if enabled:
-            print(f"\r[{i}/{total}] {item[0].name} {item[1]:<16}", end="", file=sys.stderr, flush=True)
+        elapsed = time.perf_counter() - start
+        print(f"[{i}/{total} {elapsed:6.0f}s] {item[0].name} {item[1]:<16}", end=end, file=sys.stderr, flush=True)
         yield item
-    if enabled:
-        print(file=sys.stderr)
+    print(f"done in {time.perf_counter() - start:.0f}s", file=sys.stderr)
 
 
 def format_table(results: list[Result], modes) -> str:
-    peers = [p for p in dict.fromkeys(r.provider for r in results) if p != "flashtriton"]
-    ours = {r.case: r for r in results if r.provider == "flashtriton" and not r.unavailable}
+    peers = [p for p in dict.fromkeys(r.provider for r in results) if p != OURS]
     lines = []
-    header = f"{'case':<22}{'mode':<9}{'ms':>9}{'TFLOP/s':>9}{'max err':>10}{'peak MiB':>10}"
-    header += "".join(f"{'x ' + p:>17}" for p in peers)
-    lines.append(header)
-    for case, r in ours.items():
-        for mode in modes:
-            if mode not in r.ms:
-                continue
-            ratios = []
-            for p in peers:
-                peer = next((x for x in results if x.case == case and x.provider == p), None)
-                ratio = peer and mode in peer.ms and peer.ms[mode] / r.ms[mode]
-                ratios.append(f"{ratio:>17.2f}" if ratio else f"{'-':>17}")
+    header = f"{'case':<22}{'mode':<9}{'ms':>9}{'TFLOP/s':>9}{'max err':>10}{'peak MiB':>10}{'1st s':>8}"
+    lines.append(header + "".join(f"{'x ' + p:>17}" for p in peers))
+    for r in results:
+        if r.provider != OURS or r.unavailable:
+            continue
+        for mode in (m for m in modes if m in r.ms):
+            ratios = [r.ratios.get(p, {}).get(mode) for p in peers]
             memory = f"{r.peak_extra_mib:>10.1f}" if r.peak_extra_mib is not None else f"{'-':>10}"
-            row = f"{case.name:<22}{mode:<9}{r.ms[mode]:>9.3f}{r.tflops[mode]:>9.1f}{r.max_error:>10.1e}{memory}"
-            lines.append(row + "".join(ratios))
+            row = f"{r.case.name:<22}{mode:<9}{r.ms[mode]:>9.3f}{r.tflops[mode]:>9.1f}{r.max_error:>10.1e}{memory}"
+            row += f"{r.first_call_s:>8.2f}"
+            lines.append(row + "".join(f"{x:>17.2f}" if x else f"{'-':>17}" for x in ratios))
     return "\n".join(lines)
 
 
-def plot(results: list[Result], path_prefix: str, modes) -> list[str]:
-    """One PNG per (head dim, causal, mode): TFLOP/s against seqlen, one line per provider."""
+def plot(records: list[dict], modes, path: str, title: str) -> None:
+    """One PNG: a grid of TFLOP/s-against-seqlen panels, a row per (head dim, causal), a column per mode."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    written = []
-    groups = sorted({(r.case.head_dim, r.case.causal) for r in results})
-    for (head_dim, causal), mode in ((g, m) for g in groups for m in modes):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for provider in dict.fromkeys(r.provider for r in results):
-            pts = sorted(
-                (r.case.seqlen, r.tflops[mode])
-                for r in results
-                if r.provider == provider
-                and (r.case.head_dim, r.case.causal) == (head_dim, causal)
-                and mode in r.tflops
-            )
-            if pts:
-                ax.plot(
-                    *zip(*pts, strict=True),
-                    marker="o",
-                    label=provider,
-                    linewidth=2.5 if provider == "flashtriton" else 1,
+    groups = sorted({(r["case"]["head_dim"], r["case"]["causal"]) for r in records})
+    providers = list(dict.fromkeys(r["provider"] for r in records))
+    size = (4.2 * len(modes), 3.0 * len(groups))
+    fig, axes = plt.subplots(len(groups), len(modes), figsize=size, squeeze=False, sharex=True, layout="constrained")
+    for (head_dim, causal), row in zip(groups, axes, strict=True):
+        for mode, ax in zip(modes, row, strict=True):
+            for provider in providers:
+                pts = sorted(
+                    (r["case"]["seqlen"], r["tflops"][mode])
+                    for r in records
+                    if r["provider"] == provider
+                    and (r["case"]["head_dim"], r["case"]["causal"]) == (head_dim, causal)
+                    and mode in r["tflops"]
                 )
-        ax.set_xscale("log", base=2)
+                if pts:
+                    width = 2.5 if provider == OURS else 1
+                    ax.plot(*zip(*pts, strict=True), marker="o", markersize=3, label=provider, linewidth=width)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"d{head_dim}{' causal' if causal else ''} {mode}", fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.tick_params(labelsize=7)
+        row[0].set_ylabel("TFLOP/s")
+    for ax in axes[-1]:
         ax.set_xlabel("sequence length")
-        ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"head dim {head_dim}{', causal' if causal else ''}, {mode}")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-        path = f"{path_prefix}d{head_dim}{'_causal' if causal else ''}_{mode}.png"
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        written.append(path)
-    return written
+    handles: dict[str, object] = {}  # one legend for the figure: every provider drawn in any panel
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncol=len(handles), fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _write_json(path: str, header: dict, results: list[Result], complete: bool) -> None:
+    payload = {**header, "complete": complete, "results": [asdict(r) for r in results]}
+    with open(path + ".tmp", "w") as f:
+        json.dump(payload, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def load_results(path: str) -> tuple[dict, list[Result]]:
+    """A results.json back as (its header, its results)."""
+    with open(path) as f:
+        payload = json.load(f)
+    results = [Result(**{**r, "case": Case(**r["case"])}) for r in payload.pop("results")]
+    return payload, results
+
+
+def _resumable(path: str, env: dict, modes, cases, providers) -> tuple[dict, list[Result]]:
+    """The cases of an earlier, cut-short run that every provider finished, if it measured the same source
+    on the same GPU and software; a case it left half done is measured again, so peers share a run."""
+    header, earlier = load_results(path)
+    mine = {**env, "modes": list(modes)}
+    theirs = {**header["environment"], "modes": header["sweep"]["modes"]}
+    for key in ("source_digest", "gpu", "driver", "torch", "triton", "modes"):
+        if theirs.get(key) != mine.get(key):
+            raise SystemExit(f"--resume {path}: its {key} is {theirs.get(key)!r}, this run's {mine.get(key)!r}")
+    kept = []
+    for case in cases:
+        rows = {r.provider: r for r in earlier if r.case == case}
+        if all(p in rows for p in providers):
+            kept += [rows[p] for p in providers]
+    return header["environment"], kept
 
 
 def main(argv=None) -> int:
@@ -318,8 +420,11 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(PROVIDERS))
-    parser.add_argument("--out", default="bench-out", help="folder for results.json and the plots")
+    parser.add_argument("--out", default="bench-out", help="folder for results.json and bench.png")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument(
+        "--resume", metavar="RESULTS_JSON", help="continue a run cut short: keep its finished cases, measure the rest"
+    )
     args = parser.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -329,15 +434,27 @@ def main(argv=None) -> int:
     if device.type != "cuda":
         args.seqlens = [n for n in args.seqlens if n <= 2048] or [1024]
     cases = default_cases(device, args.head_dims, args.seqlens, causal_options, args.dtype)
-    work = [(c, p) for c in cases for p in args.providers]
-    results = [run_case(c, p, device, args.modes) for c, p in _progress(work, sys.stderr.isatty())]
 
     os.makedirs(args.out, exist_ok=True)
-    payload = {"environment": environment(), "device": str(device), "results": [asdict(r) for r in results]}
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(payload, f, indent=1)
+    json_path = os.path.join(args.out, "results.json")
+    env = environment()
+    header = {"schema": SCHEMA, "definitions": DEFINITIONS, "environment": env, "device": str(device)}
+    header["sweep"] = {"modes": args.modes, "providers": args.providers, "dtype": cases[0].dtype}
+    results = []
+    if args.resume:
+        header["resumed_environment"], results = _resumable(args.resume, env, args.modes, cases, args.providers)
+    finished = {r.case for r in results}
+    work = [(c, p) for c in cases if c not in finished for p in args.providers]
+    for case, provider in _progress(work):
+        results.append(run_case(case, provider, device, args.modes))
+        attach_ratios(results)
+        _write_json(json_path, header, results, complete=False)
+    results.sort(key=lambda r: (cases.index(r.case), args.providers.index(r.provider)))
+    _write_json(json_path, header, results, complete=True)
     if not args.no_plots:
-        plot(results, os.path.join(args.out, ""), args.modes)
+        source = env.get("commit", env["source_digest"])[:10]
+        title = f"{env.get('gpu', device)}, {cases[0].dtype}, flashtriton {source}"
+        plot([asdict(r) for r in results], args.modes, os.path.join(args.out, "bench.png"), title)
     for r in results:
         if r.unavailable:
             print(f"unavailable: {r.provider} on {r.case.name}: {r.unavailable}")
