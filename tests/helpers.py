@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flashtriton import attention_reference
+from flashtriton.reference import attention_reference_varlen
 
 
 @dataclass(frozen=True)
@@ -99,10 +100,21 @@ def assert_close_to_reference(name: str, actual, exact, plain) -> None:
     assert err <= 2 * base + floor, f"{name}: error {err:.3e} > 2 x plain PyTorch's {base:.3e} + {floor:.1e}"
 
 
-def reference_outputs(q, k, v, dout, dlse, causal, softmax_scale=None, compute_dtype=torch.float64):
-    """out, lse, dq, dk, dv of the reference on copies of q, k, v (loss = <out, dout> + <lse, dlse>)."""
+def reference_outputs(
+    q, k, v, dout, dlse, causal, softmax_scale=None, compute_dtype=torch.float64, *, cu_seqlens=None, **options
+):
+    """out, lse, dq, dk, dv of the reference on copies of q, k, v (loss = <out, dout> + <lse, dlse>).
+
+    options: attention_reference's keyword options (window_size, softcap, alibi_slopes, dropout_p,
+    dropout_mask). With cu_seqlens = (cu_seqlens_q, cu_seqlens_k): the varlen reference on packed
+    q, k, v, whose options take dropout_seed instead of dropout_mask.
+    """
     inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out, lse = attention_reference(*inputs, softmax_scale=softmax_scale, causal=causal, compute_dtype=compute_dtype)
+    common = dict(softmax_scale=softmax_scale, causal=causal, compute_dtype=compute_dtype, **options)
+    if cu_seqlens is None:
+        out, lse = attention_reference(*inputs, **common)
+    else:
+        out, lse = attention_reference_varlen(*inputs, *cu_seqlens, **common)
     finite = torch.isfinite(lse)
     loss = (out * dout.to(out.dtype)).sum() + (lse[finite] * dlse[finite].to(lse.dtype)).sum()
     loss.backward()

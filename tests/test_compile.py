@@ -41,4 +41,13 @@ def test_fullgraph_compile_matches_eager(backend):
 def test_opcheck():
     """torch.library's own consistency checks of the fake, autograd and schema registrations."""
     q, k, v = (torch.randn(1, 9, 2, 16, requires_grad=True) for _ in range(3))
-    torch.library.opcheck(torch.ops.flashtriton.attention_forward.default, (q, k, v, 0.25, True, False))
+    slopes = torch.rand(1, 2)
+    seed = torch.tensor([1234])
+    no_masks = ([], [], "", [], "", [])  # block-mask lists and shape, mask_mod, score_mod
+    # cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window (left, right), softcap, alibi, dropout
+    args = (None, None, 0, 0, 0.25, 3, 0, 5.0, slopes, 0.1, seed, *no_masks, False)
+    torch.library.opcheck(torch.ops.flashtriton.attention_forward.default, (q, k, v, *args))
+    cu_seqlens = torch.tensor([0, 4, 9], dtype=torch.int32)
+    packed = [x[0].detach().requires_grad_() for x in (q, k, v)]
+    varlen = (cu_seqlens, cu_seqlens, 5, 5, 0.25, -1, 0, 0.0, None, 0.0, None, *no_masks, False)
+    torch.library.opcheck(torch.ops.flashtriton.attention_forward.default, (*packed, *varlen))

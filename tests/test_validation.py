@@ -1,6 +1,8 @@
 """Bad input gets a ValueError/TypeError naming the fix, before anything is launched; features
 that do not exist yet say so instead of being ignored."""
 
+from itertools import accumulate
+
 import pytest
 import torch
 
@@ -35,9 +37,20 @@ CASES = {
     "head-dim-large": (lambda: qkv((1, 8, 4, 264), (1, 8, 2, 264)), {}, ValueError, "from 8 to 256"),
     "scale-negative": (qkv, {"softmax_scale": -1.0}, ValueError, "positive finite"),
     "scale-type": (qkv, {"softmax_scale": "0.1"}, TypeError, "softmax_scale must be a float"),
-    "dropout-range": (qkv, {"dropout_p": 1.0}, ValueError, "[0, 1)"),
-    "window-range": (qkv, {"window_size": (-2, 0)}, ValueError, ">= -1"),
+    "dropout-one": (qkv, {"dropout_p": 1.0}, ValueError, "dropout_p must be in [0, 1)"),
+    "dropout-negative": (qkv, {"dropout_p": -0.1}, ValueError, "dropout_p must be in [0, 1)"),
+    "dropout-type": (qkv, {"dropout_p": "0.1"}, TypeError, "dropout_p must be a float"),
+    "window-range": (qkv, {"window_size": (-2, 0)}, ValueError, "each >= -1"),
+    "window-right-range": (qkv, {"window_size": (4, -3)}, ValueError, "each >= -1"),
+    "window-not-pair": (qkv, {"window_size": (4,)}, TypeError, "pair of ints (left, right)"),
+    "window-float": (qkv, {"window_size": (4.0, 0)}, TypeError, "pair of ints (left, right)"),
     "softcap-negative": (qkv, {"softcap": -1.0}, ValueError, "softcap must be >= 0"),
+    "softcap-inf": (qkv, {"softcap": float("inf")}, ValueError, "softcap must be >= 0 and finite"),
+    "alibi-shape": (qkv, {"alibi_slopes": torch.ones(2)}, ValueError, "alibi_slopes must have shape (4,)"),
+    "alibi-batch": (qkv, {"alibi_slopes": torch.ones(3, 4)}, ValueError, "or (1, 4) (batch, nheads)"),
+    "alibi-dtype": (qkv, {"alibi_slopes": torch.ones(4, dtype=torch.float64)}, TypeError, "alibi_slopes.float()"),
+    "alibi-type": (qkv, {"alibi_slopes": [1.0] * 4}, TypeError, "alibi_slopes must be a torch.Tensor"),
+    "alibi-device": (qkv, {"alibi_slopes": torch.ones(4, device="meta")}, ValueError, "alibi_slopes.to(q.device)"),
 }
 
 
@@ -54,34 +67,78 @@ def test_device_mismatch():
         flash_attn_func(q, k.to("meta"), v.to("meta"))
 
 
-@pytest.mark.parametrize(
-    "kwargs,what",
-    [
-        ({"dropout_p": 0.1}, "dropout_p"),
-        ({"window_size": (16, 0)}, "local attention"),
-        ({"softcap": 30.0}, "softcap"),
-        ({"alibi_slopes": torch.ones(4)}, "alibi_slopes"),
-    ],
-    ids=["dropout", "window", "softcap", "alibi"],
-)
-def test_features_not_implemented_yet_say_so(kwargs, what):
-    with pytest.raises(NotImplementedError, match=what):
-        flash_attn_func(*qkv(), **kwargs)
+def varlen(lens_q=(3, 0, 5), lens_k=(4, 2, 5), heads=(4, 2), dtype=torch.float32):
+    """Arguments of flash_attn_varlen_func: q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k."""
+    q = torch.randn(sum(lens_q), heads[0], 16, dtype=dtype)
+    k, v = (torch.randn(sum(lens_k), heads[1], 16, dtype=dtype) for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *accumulate(n)], dtype=torch.int32) for n in (lens_q, lens_k))
+    return [q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)]
 
 
-@pytest.mark.parametrize(
-    "fn,args",
-    [
-        (flashtriton.flash_attn_varlen_func, 7),
-        (flashtriton.flash_attn_varlen_qkvpacked_func, 3),
-        (flashtriton.flash_attn_varlen_kvpacked_func, 6),
-        (flashtriton.flash_attn_with_kvcache, 3),
-    ],
-    ids=lambda x: getattr(x, "__name__", str(x)),
-)
-def test_later_apis_exist_and_raise(fn, args):
-    with pytest.raises(NotImplementedError, match="not implemented yet"):
-        fn(*[None] * args)
+def with_arg(index, value, args=None):
+    args = varlen() if args is None else args
+    args[index] = value(args) if callable(value) else value
+    return args
+
+
+VARLEN_CASES = {
+    "q-rank": (lambda: with_arg(0, lambda a: a[0][None]), ValueError, r"q must have 3 dims \(total_q, nheads"),
+    "gqa": (lambda: varlen(heads=(4, 3)), ValueError, "multiple of k heads"),
+    "dtype-mismatch": (lambda: with_arg(0, lambda a: a[0].half()), ValueError, "one dtype"),
+    "cu-int64": (lambda: with_arg(3, lambda a: a[3].long()), TypeError, r"cu_seqlens_q.to\(torch.int32\)"),
+    "cu-rank": (lambda: with_arg(4, lambda a: a[4][None]), ValueError, r"cu_seqlens_k must have 1 dims"),
+    "cu-not-tensor": (lambda: with_arg(3, [0, 3, 3, 8]), TypeError, "cu_seqlens_q must be a torch.Tensor"),
+    "cu-device": (lambda: with_arg(3, lambda a: a[3].to("meta")), ValueError, r"cu_seqlens_q.to\(q.device\)"),
+    "cu-batch-mismatch": (lambda: with_arg(4, lambda a: a[4][:-1]), ValueError, "for the same batch"),
+    "cu-not-from-0": (lambda: with_arg(3, lambda a: a[3] + 1), ValueError, "must start at 0"),
+    "cu-decreasing": (
+        lambda: with_arg(4, torch.tensor([0, 4, 3, 11], dtype=torch.int32)),
+        ValueError,
+        r"must never decrease .* cu_seqlens_k\[1\] = 4 > cu_seqlens_k\[2\] = 3",
+    ),
+    "cu-q-total": (lambda: with_arg(0, lambda a: a[0][:-1]), ValueError, "cu_seqlens_q ends at 8 but the packed"),
+    "cu-k-total": (
+        lambda: with_arg(4, torch.tensor([0, 4, 6, 10], dtype=torch.int32)),
+        ValueError,
+        "cu_seqlens_k ends at 10 but the packed tensor has 11 tokens",
+    ),
+    "max-seqlen-small": (lambda: with_arg(5, 4), ValueError, "max_seqlen_q is 4 .* pass at least 5"),
+    "max-seqlen-type": (lambda: with_arg(6, 5.0), TypeError, r"max_seqlen_k must be an int"),
+}
+
+
+@pytest.mark.parametrize("name", list(VARLEN_CASES))
+def test_bad_varlen_input_raises_clear_error(name):
+    make, error, message = VARLEN_CASES[name]
+    with pytest.raises(error, match=message):
+        flashtriton.flash_attn_varlen_func(*make())
+
+
+def test_varlen_options_are_checked():
+    """Window, dropout, softcap and ALiBi get the same checks as in the dense API; ALiBi's batch is the sequences'."""
+    with pytest.raises(ValueError, match="each >= -1"):
+        flashtriton.flash_attn_varlen_func(*varlen(), window_size=(-5, 0))
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+        flashtriton.flash_attn_varlen_func(*varlen(), dropout_p=1.5)
+    with pytest.raises(ValueError, match="softcap must be >= 0"):
+        flashtriton.flash_attn_varlen_func(*varlen(), softcap=-2.0)
+    with pytest.raises(ValueError, match=r"\(4,\) \(nheads\) or \(3, 4\) \(batch, nheads\)"):
+        flashtriton.flash_attn_varlen_func(*varlen(), alibi_slopes=torch.ones(2, 4))
+
+
+def test_varlen_packed_layouts_are_checked():
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen()
+    with pytest.raises(ValueError, match=r"qkv must be \(total, 3, nheads, headdim\)"):
+        flashtriton.flash_attn_varlen_qkvpacked_func(torch.stack([q, q], dim=1), cu_q, max_q)
+    with pytest.raises(ValueError, match=r"kv must be \(total_k, 2, nheads_k, headdim\)"):
+        flashtriton.flash_attn_varlen_kvpacked_func(q, torch.stack([k, v, v], dim=1), cu_q, cu_k, max_q, max_k)
+
+
+def test_features_not_implemented_yet_say_so():
+    with pytest.raises(NotImplementedError, match="block_table"):
+        flashtriton.flash_attn_varlen_func(*varlen(), block_table=torch.zeros(3, 1, dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache is not implemented yet"):
+        flashtriton.flash_attn_with_kvcache(*[None] * 3)
 
 
 def test_packed_layouts_are_checked():

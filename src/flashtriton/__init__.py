@@ -1,5 +1,7 @@
 """flashtriton: FlashAttention-2 (exact, IO-aware attention) in Triton, flash_attn-compatible."""
 
+from .block_mask import BlockMask, create_block_mask
+from .dropout import dropout_mask
 from .interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -9,10 +11,18 @@ from .interface import (
     flash_attn_varlen_qkvpacked_func,
     flash_attn_with_kvcache,
 )
+from .mods import Mod, and_masks, causal_mask, document_mask, or_masks, prefix_lm_mask, sliding_window_mask
 from .reference import attention_reference
 
 __all__ = [
+    "BlockMask",
+    "Mod",
+    "and_masks",
     "attention_reference",
+    "causal_mask",
+    "create_block_mask",
+    "document_mask",
+    "dropout_mask",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
@@ -20,5 +30,8 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
+    "or_masks",
+    "prefix_lm_mask",
+    "sliding_window_mask",
 ]
 __version__ = "0.1.0"

@@ -10,8 +10,21 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
-from .validation import check_features, check_qkv, check_tensor, resolve_softmax_scale
+from . import dropout, ops
+from .block_mask import BlockMask, create_block_mask
+from .mods import Mod, as_mod, check_differentiable
+from .params import AttentionParams
+from .reference import attention_reference
+from .validation import (
+    check_alibi_slopes,
+    check_dropout,
+    check_qkv,
+    check_softcap,
+    check_tensor,
+    check_varlen,
+    check_window,
+    resolve_softmax_scale,
+)
 
 _Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]
 
@@ -37,32 +50,133 @@ def flash_attn_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    block_mask: BlockMask | None = None,
+    mask_mod: Mod | None = None,
+    score_mod: Mod | None = None,
 ) -> _Result:
-    """Exact attention softmax(softmax_scale * q k^T + mask) v, without materialising the scores.
+    """Exact attention softmax(score) v, without materialising the scores.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
     nheads must be a multiple of nheads_k (MQA/GQA: query head h reads K/V head
     h // (nheads / nheads_k)). headdim: a multiple of 8 from 8 to 256. dtypes: fp16, bf16, fp32.
 
-    softmax_scale: default 1 / sqrt(headdim).
-    causal: query i sees key j iff j <= i + seqlen_k - seqlen_q (aligned bottom-right, as
-        flash_attn). A query row that sees no key (possible when seqlen_q > seqlen_k) gets an
-        output of 0, an LSE of +inf and gradients of 0.
-    deterministic: accepted for compatibility; the backward is always bitwise reproducible.
-    return_attn_probs: also return softmax_lse (batch, nheads, seqlen_q) in fp32 (natural log)
-        and, in the third slot, None (flash_attn returns probabilities only with dropout, which
-        is not implemented yet). Gradients flow through softmax_lse too.
-    dropout_p, window_size, softcap, alibi_slopes: only their defaults are implemented yet;
-        anything else raises NotImplementedError.
+    Masks are aligned bottom-right, as in flash_attn: with offset = seqlen_k - seqlen_q,
+    causal: query i sees key j iff j <= i + offset.
+    window_size (left, right): query i sees key j iff i + offset - left <= j <= i + offset + right;
+        -1 leaves that side unbounded; causal=True sets right to 0. Key tiles outside the band
+        are skipped, not masked.
+    A query row that sees no key gets an output of 0, an LSE of +inf and gradients of 0.
 
-    Returns out: (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, None).
+    softmax_scale: default 1 / sqrt(headdim); score = softmax_scale * q.k.
+    softcap: > 0 replaces the score by softcap * tanh(score / softcap) (0 disables it).
+    alibi_slopes: (nheads,) or (batch, nheads) fp32; adds -slope * |i + offset - j| to the score.
+    dropout_p: drop each attention probability with this probability (and scale the kept ones by
+        1 / (1 - dropout_p)); the mask comes from a counter-based RNG keyed by a seed drawn from
+        torch's default generator, so torch.manual_seed reproduces it, and the backward
+        regenerates it instead of storing it. Use 0.0 for evaluation.
+    deterministic: accepted for compatibility; the backward is always bitwise reproducible.
+    block_mask: a flashtriton.BlockMask (create_block_mask / BlockMask.from_layout): only its tiles
+        are visited, forward and backward, and its mask_mod is applied on its partial tiles; work
+        is proportional to the tiles visited. Not combined with causal, window_size or alibi_slopes:
+        express those in the mask (causal_mask, sliding_window_mask, and_masks).
+    mask_mod: a @triton.jit mask_mod(b, h, q_idx, kv_idx, *tensors) or a flashtriton.Mod; without a
+        block_mask one is made from it with create_block_mask (default 128 x 128 tiles).
+    score_mod: a @triton.jit score_mod(score, b, h, q_idx, kv_idx, *tensors) or a Mod, applied to the
+        score last (after softcap and ALiBi); gradients need Mod(fn, tensors, grad=dfn).
+    return_attn_probs: also return softmax_lse (batch, nheads, seqlen_q) in fp32 (natural log;
+        gradients flow through it) and, with dropout, the attention probabilities
+        (batch, nheads, seqlen_q, seqlen_k) with dropped entries negated (flash_attn's S_dmask,
+        materialised: for testing small inputs); None in that slot without dropout.
+
+    Returns out: (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, probs).
     """
-    check_features(dropout_p, window_size, softcap, alibi_slopes)
     check_qkv(q, k, v)
+    masks = _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window_size, alibi_slopes)
+    params = _params(q, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, q.shape[0], **masks)
+    return _attention(q, k, v, params, deterministic, return_attn_probs)
+
+
+def _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window_size, alibi_slopes) -> dict:
+    """The block mask (made from mask_mod when needed) and score_mod, checked against the inputs."""
+    masks = {}
+    if score_mod is not None:
+        masks["score_mod"] = as_mod(score_mod, "score_mod")
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+            check_differentiable(masks["score_mod"])
+    if block_mask is None and mask_mod is None:
+        return masks
+    if causal or tuple(window_size) != (-1, -1) or alibi_slopes is not None:
+        raise ValueError(
+            "block_mask / mask_mod do not combine with causal, window_size or alibi_slopes: put the causal or "
+            "window mask into the block mask (and_masks(causal_mask(), ...)) and ALiBi into a score_mod"
+        )
+    batch, n_q, heads, _ = q.shape
+    if block_mask is None:
+        block_mask = create_block_mask(as_mod(mask_mod, "mask_mod"), None, None, n_q, k.shape[1], device=q.device)
+    elif mask_mod is not None:
+        raise ValueError("pass either block_mask or mask_mod: a BlockMask already carries its mask_mod")
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a flashtriton.BlockMask, got {type(block_mask).__name__}")
+    block_mask.check_matches(batch, heads, n_q, k.shape[1], q.device)
+    masks["block_mask"] = block_mask
+    return masks
+
+
+def _params(q, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, batch, **extra) -> AttentionParams:
+    """Validated user options as the AttentionParams every backend takes."""
+    left, right = check_window(window_size)
+    check_softcap(softcap)
+    check_dropout(dropout_p)
+    if causal:
+        right = 0  # flash_attn's rule: causal is the window's right edge at the diagonal
+    slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, batch, q.shape[-2], q.device)
+    return AttentionParams(
+        softmax_scale=resolve_softmax_scale(softmax_scale, q.shape[-1]), window_left=left, window_right=right,
+        softcap=float(softcap), alibi_slopes=slopes, dropout_p=float(dropout_p), **extra,
+    )  # fmt: skip
+
+
+def _attention(q, k, v, params: AttentionParams, deterministic: bool, return_attn_probs: bool) -> _Result:
     q, k, v = _autocast(q, k, v)
-    scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
-    out, lse = ops.attention_forward(q, k, v, scale, bool(causal), bool(deterministic))
-    return (out, lse, None) if return_attn_probs else out
+    seed = dropout.draw_seed() if params.dropout_p > 0 else None
+    out, lse = ops.attention(q, k, v, params, seed, bool(deterministic))
+    if not return_attn_probs:
+        return out
+    return out, lse, _dropped_probs(q, k, v, params, int(seed)) if seed is not None else None
+
+
+def _dropped_probs(q, k, v, params: AttentionParams, seed: int) -> torch.Tensor:
+    """flash_attn's S_dmask: probabilities (batch, nheads, seqlen_q, seqlen_k), dropped entries negated.
+
+    Materialised through the reference (attention against V = identity returns P itself); varlen
+    sequences are zero-padded to (max_seqlen_q, max_seqlen_k).
+    """
+    options = dict(
+        softmax_scale=params.softmax_scale, window_size=(params.window_left, params.window_right),
+        softcap=params.softcap, compute_dtype=torch.float32,
+    )  # fmt: skip
+    heads = q.shape[-2]
+    if params.varlen:
+        cu_q, cu_k = params.cu_seqlens_q.tolist(), params.cu_seqlens_k.tolist()
+        bounds = zip(cu_q, cu_q[1:], cu_k, cu_k[1:], strict=False)
+        seqs = [(q[None, a:b], k[None, c:d]) for a, b, c, d in bounds]
+        shape = (len(seqs), heads, params.max_seqlen_q, params.max_seqlen_k)
+    else:
+        seqs = [(q[i : i + 1], k[i : i + 1]) for i in range(q.shape[0])]
+        shape = (q.shape[0], heads, q.shape[1], k.shape[1])
+    probs = q.new_zeros(shape, dtype=torch.float32)
+    for b, (q_b, k_b) in enumerate(seqs):
+        n_q, n_k = q_b.shape[1], k_b.shape[1]
+        eye = torch.eye(n_k, device=q.device)[None, :, None, :].expand(1, n_k, k_b.shape[2], n_k)
+        slopes = None if params.alibi_slopes is None else params.alibi_slopes[b : b + 1]
+        p_b, _ = attention_reference(q_b, k_b, eye, alibi_slopes=slopes, **options)
+        i, j = torch.arange(n_q, device=q.device)[:, None], torch.arange(n_k, device=q.device)[None, :]
+        h = torch.arange(heads, device=q.device)[:, None, None]
+        kept = dropout.keep(seed, b, h, i, j, params.dropout_p)
+        p_b = p_b[0].transpose(0, 1)  # (heads, n_q, n_k)
+        probs[b, :, :n_q, :n_k] = torch.where(kept, p_b, -p_b)
+    return probs
 
 
 def flash_attn_qkvpacked_func(
@@ -110,38 +224,95 @@ def flash_attn_kvpacked_func(
     )  # fmt: skip
 
 
-_VARLEN_MISSING = "the kernels do not read cu_seqlens (variable-length batches)"
-_VARLEN_INSTEAD = "pad the sequences to one length and call flash_attn_func"
-
-
-def _not_yet(name: str, missing: str, instead: str):
-    raise NotImplementedError(f"{name} is not implemented yet: {missing}; for now, {instead}")
-
-
 def flash_attn_varlen_func(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
-    causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-    return_attn_probs=False, block_table=None,
-):  # fmt: skip
-    """flash_attn's variable-length API on packed (total_tokens, nheads, headdim) tensors."""
-    _not_yet("flash_attn_varlen_func", _VARLEN_MISSING, _VARLEN_INSTEAD)
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
+) -> _Result:
+    """flash_attn_func on a packed batch of sequences of different lengths, with no work on padding.
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim). Sequence b is
+    q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] against k, v[cu_seqlens_k[b]:cu_seqlens_k[b+1]].
+    cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32, starting at 0, non-decreasing, ending at the
+    packed length. max_seqlen_q, max_seqlen_k: at least the longest sequence (they size the grid).
+    Masks, offsets and dropout indices are per sequence (see flash_attn_func); alibi_slopes may be
+    (batch, nheads). Returns out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q),
+    probs (batch, nheads, max_seqlen_q, max_seqlen_k) or None).
+    """
+    if block_table is not None:
+        raise NotImplementedError("block_table (paged KV cache) is not implemented yet: pass block_table=None")
+    check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    varlen = dict(
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q),
+        max_seqlen_k=int(max_seqlen_k),
+    )  # fmt: skip
+    batch = cu_seqlens_q.shape[0] - 1
+    params = _params(q, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, batch, **varlen)
+    return _attention(q, k, v, params, deterministic, return_attn_probs)
 
 
 def flash_attn_varlen_qkvpacked_func(
-    qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
-):  # fmt: skip
-    """flash_attn's variable-length API on packed qkv (total_tokens, 3, nheads, headdim)."""
-    _not_yet("flash_attn_varlen_qkvpacked_func", _VARLEN_MISSING, _VARLEN_INSTEAD)
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> _Result:
+    """flash_attn_varlen_func on qkv: (total, 3, nheads, headdim), one cu_seqlens for q and k."""
+    check_tensor("qkv", qkv, 4, "(total, 3, nheads, headdim)")
+    if qkv.shape[1] != 3:
+        raise ValueError(f"qkv must be (total, 3, nheads, headdim), got {tuple(qkv.shape)}")
+    q, k, v = qkv.unbind(dim=1)
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal, window_size,
+        softcap, alibi_slopes, deterministic, return_attn_probs,
+    )  # fmt: skip
 
 
 def flash_attn_varlen_kvpacked_func(
-    q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
-    causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-    return_attn_probs=False,
-):  # fmt: skip
-    """flash_attn's variable-length API on packed q and kv (total_tokens, 2, nheads_k, headdim)."""
-    _not_yet("flash_attn_varlen_kvpacked_func", _VARLEN_MISSING, _VARLEN_INSTEAD)
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> _Result:
+    """flash_attn_varlen_func on q: (total_q, nheads, headdim), kv: (total_k, 2, nheads_k, headdim)."""
+    check_tensor("kv", kv, 4, "(total_k, 2, nheads_k, headdim)")
+    if kv.shape[1] != 2:
+        raise ValueError(f"kv must be (total_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
+    k, v = kv.unbind(dim=1)
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+    )  # fmt: skip
 
 
 def flash_attn_with_kvcache(
@@ -151,8 +322,8 @@ def flash_attn_with_kvcache(
     return_softmax_lse=False,
 ):  # fmt: skip
     """flash_attn's inference API: attention against a KV cache, appending k, v in place."""
-    _not_yet(
-        "flash_attn_with_kvcache",
-        "there is no KV-cache update, cache_seqlens handling or split-KV decoding kernel",
-        "concatenate the cache with the new k, v and call flash_attn_func(..., causal=True)",
+    raise NotImplementedError(
+        "flash_attn_with_kvcache is not implemented yet: there is no KV-cache update, cache_seqlens handling or "
+        "split-KV decoding kernel; for now, concatenate the cache with the new k, v and call "
+        "flash_attn_func(..., causal=True)"
     )

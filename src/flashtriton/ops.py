@@ -20,8 +20,15 @@ from types import ModuleType
 import torch
 
 from . import torch_backend
+from .block_mask import BlockMask
+from .mods import Mod
+from .params import AttentionParams, lse_shape
 
 BACKEND_ENV = "FLASHTRITON_BACKEND"
+SPARSE_FIELDS = (
+    "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+    "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices",
+)  # fmt: skip
 BACKENDS = ("auto", "triton", "torch")
 
 
@@ -47,23 +54,105 @@ def select_backend(device: torch.device, dtype: torch.dtype) -> ModuleType:
     return backend
 
 
+# User mod functions cannot be schema arguments: they travel as registry keys, their tensors as lists.
+_FUNCTIONS: dict[str, tuple] = {}
+
+
+def _register(mod: Mod | None) -> str:
+    if mod is None:
+        return ""
+    key = f"{mod.name}@{id(mod.fn):x}:{id(mod.grad):x}"
+    _FUNCTIONS[key] = (mod.fn, mod.grad)
+    return key
+
+
+def _mod(key: str, tensors: list[torch.Tensor]) -> Mod | None:
+    if not key:
+        return None
+    fn, grad = _FUNCTIONS[key]
+    return Mod(fn, tuple(tensors), grad)
+
+
+def _flat(p: AttentionParams, seed: torch.Tensor | None) -> tuple:
+    """AttentionParams as the ops' schema arguments, in their order."""
+    mask = p.block_mask
+    if mask is None:
+        sparse, sparse_shape, mask_mod = [], [], None
+    else:
+        sparse = [getattr(mask, name) for name in SPARSE_FIELDS]
+        sparse = [t if t is not None else mask.kv_num_blocks.new_empty(0) for t in sparse]
+        sparse_shape = [mask.seqlen_q, mask.seqlen_k, *mask.block_size]
+        mask_mod = mask.mask_mod
+    return (
+        p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k, p.softmax_scale,
+        p.window_left, p.window_right, p.softcap, p.alibi_slopes, p.dropout_p, seed,
+        sparse, sparse_shape, _register(mask_mod), list(mask_mod.tensors) if mask_mod else [],
+        _register(p.score_mod), list(p.score_mod.tensors) if p.score_mod else [],
+    )  # fmt: skip
+
+
+def _params(
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
+    alibi_slopes, dropout_p, dropout_seed, sparse, sparse_shape, mask_mod, mask_tensors, score_mod, score_tensors,
+) -> AttentionParams:  # fmt: skip
+    block_mask = None
+    if sparse:
+        seqlen_q, seqlen_k, block_m, block_n = sparse_shape
+        lists = {name: t if t.numel() else None for name, t in zip(SPARSE_FIELDS, sparse, strict=True)}
+        block_mask = BlockMask(seqlen_q, seqlen_k, (block_m, block_n), **lists, mask_mod=_mod(mask_mod, mask_tensors))
+    return AttentionParams(
+        softmax_scale=softmax_scale, window_left=window_left, window_right=window_right, softcap=softcap,
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+        dropout_seed=int(dropout_seed.item()) if dropout_seed is not None else 0,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        block_mask=block_mask, score_mod=_mod(score_mod, score_tensors),
+    )  # fmt: skip
+
+
 @torch.library.custom_op("flashtriton::attention_forward", mutates_args=())
 def attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, deterministic: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    dropout_p: float,
+    dropout_seed: torch.Tensor | None,
+    sparse: list[torch.Tensor],
+    sparse_shape: list[int],
+    mask_mod: str,
+    mask_tensors: list[torch.Tensor],
+    score_mod: str,
+    score_tensors: list[torch.Tensor],
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns out (B, N_Q, H, D) and the natural-log LSE (B, H, N_Q) in fp32."""
-    batch, n_q, heads, head_dim = q.shape
-    if q.numel() == 0 or k.shape[1] == 0:
+    """out (shaped as q) and the natural-log LSE in fp32 (see _lse_shape); params.py has the semantics."""
+    params = _params(
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
+        alibi_slopes, dropout_p, dropout_seed, sparse, sparse_shape, mask_mod, mask_tensors, score_mod, score_tensors,
+    )  # fmt: skip
+    if q.numel() == 0 or k.numel() == 0:
         # nothing to compute, or no key at all: every row is empty
-        out = q.new_zeros(batch, n_q, heads, head_dim)
-        return out, q.new_full((batch, heads, n_q), float("inf"), dtype=torch.float32)
-    return select_backend(q.device, q.dtype).forward(q, k, v, softmax_scale, causal)
+        return torch.zeros_like(q), q.new_full(lse_shape(q, params.varlen), float("inf"), dtype=torch.float32)
+    backend = select_backend(q.device, q.dtype)
+    if backend is torch_backend and (params.block_mask is not None or params.score_mod is not None):
+        raise NotImplementedError(
+            "block_mask, mask_mod and score_mod run on the Triton kernels only so far: use CUDA tensors, or set "
+            "TRITON_INTERPRET=1 and FLASHTRITON_BACKEND=triton to run them on CPU in Triton's interpreter"
+        )
+    return backend.forward(q, k, v, params)
 
 
 @attention_forward.register_fake
-def _(q, k, v, softmax_scale, causal, deterministic):
-    batch, n_q, heads, head_dim = q.shape
-    return q.new_empty(batch, n_q, heads, head_dim), q.new_empty(batch, heads, n_q, dtype=torch.float32)
+def _(q, k, v, cu_seqlens_q, *rest):
+    return q.new_empty(q.shape), q.new_empty(lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
 
 
 @torch.library.custom_op("flashtriton::attention_backward", mutates_args=())
@@ -75,32 +164,45 @@ def attention_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
     softmax_scale: float,
-    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    dropout_p: float,
+    dropout_seed: torch.Tensor | None,
+    sparse: list[torch.Tensor],
+    sparse_shape: list[int],
+    mask_mod: str,
+    mask_tensors: list[torch.Tensor],
+    score_mod: str,
+    score_tensors: list[torch.Tensor],
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv. Every backend's backward is deterministic, so ``deterministic`` needs no branch."""
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    backend = select_backend(q.device, q.dtype)
-    return backend.backward(dout, dlse, q, k, v, out, lse, softmax_scale, causal)
+    params = _params(
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
+        alibi_slopes, dropout_p, dropout_seed, sparse, sparse_shape, mask_mod, mask_tensors, score_mod, score_tensors,
+    )  # fmt: skip
+    return select_backend(q.device, q.dtype).backward(dout, dlse, q, k, v, out, lse, params)
 
 
 @attention_backward.register_fake
-def _(dout, dlse, q, k, v, out, lse, softmax_scale, causal, deterministic):
-    return (
-        q.new_empty(q.shape),
-        k.new_empty(k.shape),
-        v.new_empty(v.shape),
-    )
+def _(dout, dlse, q, k, v, *rest):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, deterministic = inputs
+    q, k, v, *flat, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.softmax_scale = softmax_scale
-    ctx.causal = causal
+    ctx.flat = flat  # the small side tensors (cu_seqlens, slopes, seed) are inputs that need no grad
     ctx.deterministic = deterministic
 
 
@@ -109,8 +211,21 @@ def _backward(ctx, dout, dlse):
     # a caller may use only one of the two outputs
     dout = torch.zeros_like(out) if dout is None else dout
     dlse = torch.zeros_like(lse) if dlse is None else dlse
-    dq, dk, dv = attention_backward(dout, dlse, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = attention_backward(dout, dlse, q, k, v, out, lse, *ctx.flat, ctx.deterministic)
+    # no gradient for the other inputs; list inputs want a list of Nones
+    return dq, dk, dv, *([None] * len(x) if isinstance(x, list) else None for x in ctx.flat), None
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    params: AttentionParams,
+    dropout_seed: torch.Tensor | None,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable attention through the custom op; dropout_seed: (1,) int64 CPU tensor, or None."""
+    return attention_forward(q, k, v, *_flat(params, dropout_seed), deterministic)

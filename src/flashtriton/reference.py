@@ -1,14 +1,18 @@
 """Standard attention, written plainly: the test oracle and the benchmarks' baseline.
 
 It materialises the (seqlen_q, seqlen_k) score matrix, so it is for checking and comparison,
-not for long sequences.
+not for long sequences. The semantics of every option are those of params.py.
 """
 
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import torch
+
+from . import dropout
+from .mods import Mod, evaluate_score
 
 
 def attention_reference(
@@ -18,36 +22,120 @@ def attention_reference(
     softmax_scale: float | None = None,
     causal: bool = False,
     compute_dtype: torch.dtype | None = torch.float64,
+    *,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_mask: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    score_mod: Mod | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention by definition: softmax(scale * Q K^T + mask) V, and the row log-sum-exp.
+    """Attention by definition: softmax(score) V, and the row log-sum-exp.
 
-    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim), with
-    nheads a multiple of nheads_k (GQA). ``causal`` aligns the mask bottom-right: query i sees
-    key j iff j <= i + seqlen_k - seqlen_q. Computes in ``compute_dtype`` (None: the inputs'
-    dtype, i.e. "plain PyTorch attention in the same dtype") and returns
-    out (batch, seqlen_q, nheads, headdim) in that dtype and lse (batch, nheads, seqlen_q).
-    Rows that see no key get out = 0 and lse = +inf, as the kernels do.
+    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim_v), with
+    nheads a multiple of nheads_k (GQA). With offset = seqlen_k - seqlen_q (masks aligned
+    bottom-right), query i sees key j iff
+      i + offset - window_size[0] <= j <= i + offset + window_size[1]  (-1: that side unbounded;
+      ``causal`` sets window_size[1] to 0), and ``mask[b, h, i, j]`` if a mask is given:
+      bool (batch or 1, nheads or 1, seqlen_q, seqlen_k), True = visible.
+    score = softmax_scale * q.k, then softcap * tanh(score / softcap) if softcap > 0, then
+      - alibi_slopes[b, h] * |i + offset - j| if alibi_slopes ((nheads,) or (batch, nheads)) is given,
+      then score_mod(score, b, h, i, j) if a score_mod (mods.py) is given (autograd differentiates it).
+    dropout_mask: bool (batch, nheads, seqlen_q, seqlen_k), True = kept; the kept probabilities are
+      scaled by 1 / (1 - dropout_p). Required when dropout_p > 0 (dropout.dropout_mask builds it).
+      The lse is that of the probabilities before dropout.
+    Computes in ``compute_dtype`` (None: the inputs' dtype, i.e. "plain PyTorch attention in the
+    same dtype") and returns out (batch, seqlen_q, nheads, headdim_v) in that dtype and lse
+    (batch, nheads, seqlen_q). Rows that see no key get out = 0 and lse = +inf, as the kernels do.
     Differentiable, including through lse.
     """
+    if dropout_p > 0 and dropout_mask is None:
+        raise ValueError("dropout_p > 0 needs the keep mask: pass dropout_mask=dropout.dropout_mask(seed, ...)")
     dtype = compute_dtype or q.dtype
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    group = q.shape[2] // k.shape[2]
+    heads, group = q.shape[2], q.shape[2] // k.shape[2]
     q, k, v = (x.to(dtype).transpose(1, 2) for x in (q, k, v))  # (B, H, N, D)
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
 
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     n_q, n_k = scores.shape[-2:]
-    if causal:
-        rows = torch.arange(n_q, device=q.device)[:, None]
-        cols = torch.arange(n_k, device=q.device)[None, :]
-        scores = scores.masked_fill(cols > rows + (n_k - n_q), float("-inf"))
+    rows = torch.arange(n_q, device=q.device)[:, None]
+    cols = torch.arange(n_k, device=q.device)[None, :]
+    diagonal = rows + (n_k - n_q)  # the key aligned with each query
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(dtype).reshape(-1, heads, 1, 1)
+        scores = scores - slopes * (diagonal - cols).abs().to(dtype)
+    if score_mod is not None:
+        batch_idx = torch.arange(scores.shape[0], device=q.device)[:, None, None, None]
+        head_idx = torch.arange(heads, device=q.device)[:, None, None]
+        scores = evaluate_score(score_mod, scores, batch_idx, head_idx, rows, cols)
+    left, right = window_size[0], 0 if causal else window_size[1]
+    visible = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device)
+    if left >= 0:
+        visible &= cols >= diagonal - left
+    if right >= 0:
+        visible &= cols <= diagonal + right
+    if mask is not None:
+        visible = visible & mask
+    scores = scores.masked_fill(~visible, float("-inf"))
     # Rows with no visible key: softmax over nothing. Give them finite scores so no NaN reaches
     # autograd, then zero their output and set their lse to +inf.
     empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
     scores = scores.masked_fill(empty, 0.0)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     probs = torch.exp(scores - lse).masked_fill(empty, 0.0)
+    if dropout_mask is not None:
+        probs = probs.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
     out = torch.matmul(probs, v).transpose(1, 2)
     lse = lse.masked_fill(empty, float("inf")).squeeze(-1)
     return out, lse
+
+
+def attention_reference_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    compute_dtype: torch.dtype | None = torch.float64,
+    *,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_reference on each sequence of a packed variable-length batch.
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim_v); sequence b is
+    q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] against k, v[cu_seqlens_k[b]:cu_seqlens_k[b+1]], with its
+    own offset. alibi_slopes: (nheads,) or (batch, nheads). With dropout_p > 0, sequence b's keep
+    mask is dropout.keep(dropout_seed, b, h, i, j, dropout_p) (i, j within the sequence).
+    Returns out (total_q, nheads, headdim_v) and lse (nheads, total_q).
+    """
+    if dropout_p > 0 and dropout_seed is None:
+        raise ValueError("dropout_p > 0 needs the seed the mask is drawn from: pass dropout_seed")
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    heads = torch.arange(q.shape[1], device=q.device)[:, None, None]
+    outs, lses = [], []
+    for b, ((q0, q1), (k0, k1)) in enumerate(zip(pairwise(starts_q), pairwise(starts_k), strict=True)):
+        slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b]
+        keep = None
+        if dropout_p > 0:
+            rows = torch.arange(q1 - q0, device=q.device)[:, None]
+            cols = torch.arange(k1 - k0, device=q.device)[None, :]
+            batch = torch.tensor(b, device=q.device)
+            keep = dropout.keep(dropout_seed, batch, heads, rows, cols, dropout_p)[None]
+        out, lse = attention_reference(
+            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, causal, compute_dtype,
+            window_size=window_size, softcap=softcap, alibi_slopes=slopes, dropout_p=dropout_p, dropout_mask=keep,
+        )  # fmt: skip
+        outs.append(out[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)

@@ -6,20 +6,29 @@ the key tiles they can see with an online softmax; the backward recomputes each 
 Q, K and the saved LSE. Extra memory is O(N * d + BLOCK_M * BLOCK_N) per (batch, head): no
 seqlen_q x seqlen_k matrix is ever allocated. Arithmetic is fp32 whatever the input dtype.
 
+Every option of AttentionParams (params.py has the semantics) is applied to a score tile in
+_scores: softcap, ALiBi, score_mod, then the window's and the block mask's element masks. Key
+tiles wholly outside the window, or not listed by the block mask (whose tile sizes the loops then
+take), are never visited. Dropout regenerates its keep mask per tile from the seed and the global
+indices. Varlen batches run the dense code on each sequence, as a batch of one.
+
 GQA: the GROUP query heads that share a K/V head are stacked along the row axis of each tile, so
 one batched matmul serves them all and dK/dV sum over the group without a separate reduction.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from itertools import pairwise
+
 import torch
 
+from . import dropout
 from .kernels.config import TORCH_BLOCK_M, TORCH_BLOCK_N
+from .mods import evaluate_score, evaluate_score_grad
+from .params import NO_BOUND, AttentionParams
 
-
-def _key_end(m1: int, n_q: int, n_k: int, causal: bool) -> int:
-    """One past the last key that query rows < m1 can see (bottom-right causal alignment)."""
-    return max(0, min(n_k, m1 + n_k - n_q)) if causal else n_k
+PHILOX_CHUNK = 1 << 16  # dropout mask elements drawn at once (see _dropout_scale)
 
 
 def _group_rows(x: torch.Tensor, heads_k: int) -> torch.Tensor:
@@ -39,38 +48,180 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).float()
 
 
-def _mask(scores, m0, m1, n0, n1, n_q, n_k, causal):
-    """-inf where key > query + offset, for the diagonal tiles only; scores: (B, HKV, GROUP*m, n)."""
-    if not causal or n1 - 1 <= m0 + n_k - n_q:
-        return scores
-    rows = torch.arange(m0, m1, device=scores.device).repeat(scores.shape[2] // (m1 - m0))
-    cols = torch.arange(n0, n1, device=scores.device)
-    return scores.masked_fill(cols[None, :] > rows[:, None] + (n_k - n_q), float("-inf"))
+@dataclass(frozen=True)
+class _Rows:
+    """Indices of a query tile [m0, m1) in GROUP-stacked layout, shaped to broadcast over (B, HKV, GROUP*m, n)."""
+
+    m0: int
+    m1: int
+    offset: int  # seqlen_k - seqlen_q: query i is aligned with key i + offset
+    heads: int  # query heads H = HKV * GROUP
+    batch: torch.Tensor  # (B, 1, 1, 1): batch index (the sequence's index for varlen)
+    head: torch.Tensor  # (1, HKV, GROUP*m, 1): query head of each row
+    query: torch.Tensor  # (1, 1, GROUP*m, 1): query index of each row within its sequence
+
+
+def _rows(m0: int, m1: int, offset: int, first_batch: int, batch: int, heads_k: int, group: int, device) -> _Rows:
+    heads = torch.arange(heads_k, device=device)[:, None] * group + torch.arange(group, device=device)
+    return _Rows(
+        m0, m1, offset, heads_k * group,
+        batch=torch.arange(first_batch, first_batch + batch, device=device).view(-1, 1, 1, 1),
+        head=heads.repeat_interleave(m1 - m0, dim=1).view(1, heads_k, -1, 1),
+        query=torch.arange(m0, m1, device=device).repeat(group).view(1, 1, -1, 1),
+    )  # fmt: skip
+
+
+def _query_block(params: AttentionParams) -> int:
+    """Rows per query tile: the block mask's tile height when there is one (its lists are per tile)."""
+    return TORCH_BLOCK_M if params.block_mask is None else params.block_mask.block_size[0]
+
+
+def _key_tiles(rows: _Rows, n_k: int, params: AttentionParams) -> list[tuple[int, int]]:
+    """Key tiles [n0, n1) that some query of the tile sees; the keys outside are never visited."""
+    if params.block_mask is not None:
+        block_m, block_n = params.block_mask.block_size
+        listed = params.block_mask.to_dense()[:, :, rows.m0 // block_m].flatten(0, 1).any(0)  # any batch or head
+        return [(t * block_n, min(t * block_n + block_n, n_k)) for t in listed.nonzero()[:, 0].tolist()]
+    start, stop = 0, n_k
+    if params.window_left != NO_BOUND:
+        start = max(0, rows.m0 + rows.offset - params.window_left)
+    if params.window_right != NO_BOUND:
+        stop = min(n_k, rows.m1 + rows.offset + params.window_right)
+    return [(n0, min(n0 + TORCH_BLOCK_N, stop)) for n0 in range(start, stop, TORCH_BLOCK_N)]
+
+
+def _window_visible(rows: _Rows, n0: int, n1: int, params: AttentionParams) -> torch.Tensor | None:
+    """(1, 1, GROUP*m, n) bool: where query sees key inside the window; None when it sees all of keys n0:n1."""
+    left, right = params.window_left, params.window_right
+    all_after_left = left == NO_BOUND or n0 >= rows.m1 - 1 + rows.offset - left
+    all_before_right = right == NO_BOUND or n1 - 1 <= rows.m0 + rows.offset + right
+    if all_after_left and all_before_right:
+        return None
+    keys = torch.arange(n0, n1, device=rows.query.device)
+    diagonal = rows.query + rows.offset
+    visible = torch.ones_like(keys, dtype=torch.bool)
+    if left != NO_BOUND:
+        visible = visible & (keys >= diagonal - left)
+    if right != NO_BOUND:
+        visible = visible & (keys <= diagonal + right)
+    return visible
+
+
+def _visible(rows: _Rows, n0: int, n1: int, params: AttentionParams) -> torch.Tensor | None:
+    """Bool, broadcastable to (B, HKV, GROUP*m, n): where query sees key; None when every score of the tile exists."""
+    visible = _window_visible(rows, n0, n1, params)
+    if params.block_mask is not None:
+        device = rows.query.device
+        block = params.block_mask.element_mask(
+            q_idx=torch.arange(rows.m0, rows.m1, device=device), kv_idx=torch.arange(n0, n1, device=device),
+            b=rows.batch.flatten(), h=torch.arange(rows.heads, device=device),
+        )  # fmt: skip
+        heads_k, rows_per_head = rows.head.shape[1:3]
+        block = block.reshape(-1, heads_k, rows_per_head, n1 - n0)  # (B, H, m, n) -> (B, HKV, GROUP*m, n)
+        visible = block if visible is None else visible & block
+    return visible
+
+
+def _scores(
+    q_t: torch.Tensor, k_t: torch.Tensor, rows: _Rows, n0: int, n1: int, params: AttentionParams, with_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Score tile (B, HKV, GROUP*m, n) of the scaled queries q_t against keys n0:n1, -inf where not visible.
+
+    With ``with_grad``, also d score / d (scale * q.k) where softcap or score_mod make it other than 1
+    (0 where not visible), else None.
+    """
+    scores = torch.matmul(q_t, k_t.transpose(-1, -2))
+    keys = torch.arange(n0, n1, device=scores.device)
+    grad = None
+    if params.softcap > 0:
+        capped = torch.tanh(scores / params.softcap)
+        scores = params.softcap * capped
+        if with_grad:
+            grad = 1.0 - capped * capped  # d(softcap * tanh(x / softcap)) / dx
+    if params.alibi_slopes is not None:
+        slopes = params.alibi_slopes[rows.batch, rows.head]  # (B, HKV, GROUP*m, 1)
+        scores = scores - slopes * (rows.query + rows.offset - keys).abs()
+    if params.score_mod is not None:
+        index = (rows.batch, rows.head, rows.query, keys)
+        if with_grad:
+            mod_grad = evaluate_score_grad(params.score_mod, scores, *index)
+            grad = mod_grad if grad is None else grad * mod_grad
+        scores = evaluate_score(params.score_mod, scores, *index)
+    visible = _visible(rows, n0, n1, params)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if grad is not None:  # a mod's derivative may be inf or NaN where no score exists
+            grad = grad.masked_fill(~visible, 0.0)
+    return scores, grad
+
+
+def _dropout_scale(rows: _Rows, n0: int, n1: int, params: AttentionParams) -> torch.Tensor | None:
+    """(B, HKV, GROUP*m, n) fp32: 1 / (1 - p) where the probability is kept, 0 where dropped; None without dropout."""
+    if params.dropout_p == 0:
+        return None
+    keys = torch.arange(n0, n1, device=rows.query.device)
+    batch, heads_k, rows_per_head = rows.batch.shape[0], *rows.head.shape[1:3]
+    keep = torch.empty(batch, heads_k, rows_per_head, n1 - n0, dtype=torch.bool, device=keys.device)
+    # Philox in int64 torch ops makes ~40 temporaries per element: draw it in slices that stay in cache
+    step = max(1, PHILOX_CHUNK // keep[:, :, 0].numel())
+    for r0 in range(0, rows_per_head, step):
+        r = slice(r0, r0 + step)
+        keep[:, :, r] = dropout.keep(
+            params.dropout_seed, rows.batch, rows.head[:, :, r], rows.query[:, :, r], keys, params.dropout_p
+        )
+    return keep / (1.0 - params.dropout_p)
+
+
+def _sequences(params: AttentionParams) -> list[tuple[slice, slice]]:
+    """(rows of q, rows of k and v) of each sequence of a varlen batch."""
+    starts_q, starts_k = params.cu_seqlens_q.tolist(), params.cu_seqlens_k.tolist()
+    return [(slice(*q), slice(*k)) for q, k in zip(pairwise(starts_q), pairwise(starts_k), strict=True)]
 
 
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (shaped as q, its dtype) and the natural-log LSE in fp32.
+
+    Dense: q (batch, seqlen_q, nheads, headdim), k, v (batch, seqlen_k, nheads_k, headdim),
+    lse (batch, nheads, seqlen_q). Varlen: q (total_q, nheads, headdim), k, v (total_k, nheads_k,
+    headdim), lse (nheads, total_q). Rows that see no key: out 0, lse +inf.
+    """
+    if not params.varlen:
+        return _forward(q, k, v, params, first_batch=0)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    for b, (rows_q, rows_k) in enumerate(_sequences(params)):
+        out_b, lse_b = _forward(q[None, rows_q], k[None, rows_k], v[None, rows_k], params, first_batch=b)
+        out[rows_q], lse[:, rows_q] = out_b[0], lse_b[0]
+    return out, lse
+
+
+def _forward(q, k, v, params: AttentionParams, first_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense forward on batch entries first_batch, first_batch + 1, ... (their alibi and dropout indices)."""
     batch, n_q, heads, head_dim = q.shape
     n_k, heads_k = k.shape[1], k.shape[2]
     out = torch.empty(batch, n_q, heads, head_dim, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)
-    for m0 in range(0, n_q, TORCH_BLOCK_M):
-        m1 = min(m0 + TORCH_BLOCK_M, n_q)
-        q_t = _group_rows(q[:, m0:m1].float(), heads_k) * softmax_scale
+    block_m = _query_block(params)
+    for m0 in range(0, n_q, block_m):
+        m1 = min(m0 + block_m, n_q)
+        rows = _rows(m0, m1, n_k - n_q, first_batch, batch, heads_k, heads // heads_k, q.device)
+        q_t = _group_rows(q[:, m0:m1].float(), heads_k) * params.softmax_scale
         row_max = torch.full(q_t.shape[:-1], float("-inf"), device=q.device)
         row_sum = torch.zeros(q_t.shape[:-1], device=q.device)
         acc = torch.zeros(q_t.shape, device=q.device)
-        for n0 in range(0, _key_end(m1, n_q, n_k, causal), TORCH_BLOCK_N):
-            n1 = min(n0 + TORCH_BLOCK_N, n_k)
-            scores = torch.matmul(q_t, _heads_first(k[:, n0:n1]).transpose(-1, -2))
-            scores = _mask(scores, m0, m1, n0, n1, n_q, n_k, causal)
+        for n0, n1 in _key_tiles(rows, n_k, params):
+            scores, _ = _scores(q_t, _heads_first(k[:, n0:n1]), rows, n0, n1, params, with_grad=False)
             new_max = torch.maximum(row_max, scores.amax(-1))
             # rows with no visible key yet keep max = -inf; shift them by 0 to avoid inf - inf
             shift = torch.where(torch.isneginf(new_max), 0.0, new_max)
             probs = torch.exp(scores - shift[..., None])
             alpha = torch.exp(row_max - shift)
-            row_sum = row_sum * alpha + probs.sum(-1)
+            row_sum = row_sum * alpha + probs.sum(-1)  # the LSE is that of the undropped probabilities
+            keep_scale = _dropout_scale(rows, n0, n1, params)
+            if keep_scale is not None:
+                probs = probs * keep_scale
             acc = acc * alpha[..., None] + torch.matmul(probs, _heads_first(v[:, n0:n1]))
             row_max = new_max
         empty = row_sum == 0
@@ -88,34 +239,62 @@ def backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    softmax_scale: float,
-    causal: bool,
+    params: AttentionParams,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    batch, n_q = q.shape[:2]
+    """dq, dk, dv (shaped and typed as q, k, v) by recomputation from q, k, v and the forward's lse.
+
+    dout, out: shaped as q; dlse, lse: as forward's lse (dense (batch, nheads, seqlen_q), varlen
+    (nheads, total_q)). Rows that see no key (lse = +inf) contribute nothing.
+    """
+    if not params.varlen:
+        return _backward(dout, dlse, q, k, v, out, lse, params, first_batch=0)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    for b, (rows_q, rows_k) in enumerate(_sequences(params)):
+        dq_b, dk_b, dv_b = _backward(
+            dout[None, rows_q], dlse[None, :, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k],
+            out[None, rows_q], lse[None, :, rows_q], params, first_batch=b,
+        )  # fmt: skip
+        dq[rows_q], dk[rows_k], dv[rows_k] = dq_b[0], dk_b[0], dv_b[0]
+    return dq, dk, dv
+
+
+def _backward(dout, dlse, q, k, v, out, lse, params: AttentionParams, first_batch: int):
+    """Dense backward on batch entries first_batch, first_batch + 1, ..."""
+    batch, n_q, heads = q.shape[:3]
     n_k, heads_k = k.shape[1], k.shape[2]
-    # delta = rowsum(dO * O) - dLSE; the dLSE term carries gradients through the returned LSE
+    # delta = rowsum(dO * O) - dLSE; the dLSE term carries gradients through the returned LSE.
+    # With dropout, rowsum(dO * O) is still rowsum(P * dP), dP being the gradient of the undropped P.
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2) - dlse
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.zeros(batch, heads_k, n_k, k.shape[-1], device=q.device)
     dv = torch.zeros(batch, heads_k, n_k, v.shape[-1], device=q.device)
-    for m0 in range(0, n_q, TORCH_BLOCK_M):
-        m1 = min(m0 + TORCH_BLOCK_M, n_q)
-        q_t = _group_rows(q[:, m0:m1].float(), heads_k)
+    block_m = _query_block(params)
+    for m0 in range(0, n_q, block_m):
+        m1 = min(m0 + block_m, n_q)
+        rows = _rows(m0, m1, n_k - n_q, first_batch, batch, heads_k, heads // heads_k, q.device)
+        q_t = _group_rows(q[:, m0:m1].float(), heads_k) * params.softmax_scale
         do_t = _group_rows(dout[:, m0:m1].float(), heads_k)
         lse_t = lse[:, :, m0:m1].reshape(batch, heads_k, -1, 1)
         delta_t = delta[:, :, m0:m1].reshape(batch, heads_k, -1, 1)
         dq_t = torch.zeros(q_t.shape, device=q.device)
-        for n0 in range(0, _key_end(m1, n_q, n_k, causal), TORCH_BLOCK_N):
-            n1 = min(n0 + TORCH_BLOCK_N, n_k)
+        for n0, n1 in _key_tiles(rows, n_k, params):
             k_t, v_t = _heads_first(k[:, n0:n1]), _heads_first(v[:, n0:n1])
-            scores = torch.matmul(q_t, k_t.transpose(-1, -2)) * softmax_scale
-            scores = _mask(scores, m0, m1, n0, n1, n_q, n_k, causal)
+            scores, score_grad = _scores(q_t, k_t, rows, n0, n1, params, with_grad=True)
             # recompute P from the saved LSE; rows with no visible key have lse = +inf, so P = 0
             probs = torch.exp(scores - lse_t)
-            dv[:, :, n0:n1] += torch.matmul(probs.transpose(-1, -2), do_t)
-            dscores = probs * (torch.matmul(do_t, v_t.transpose(-1, -2)) - delta_t)
+            dprobs = torch.matmul(do_t, v_t.transpose(-1, -2))
+            keep_scale = _dropout_scale(rows, n0, n1, params)
+            if keep_scale is not None:
+                dv[:, :, n0:n1] += torch.matmul((probs * keep_scale).transpose(-1, -2), do_t)
+                dprobs = dprobs * keep_scale
+            else:
+                dv[:, :, n0:n1] += torch.matmul(probs.transpose(-1, -2), do_t)
+            dscores = probs * (dprobs - delta_t)
+            if score_grad is not None:
+                dscores = dscores * score_grad
             dq_t += torch.matmul(dscores, k_t)
-            dk[:, :, n0:n1] += torch.matmul(dscores.transpose(-1, -2), q_t)
-        dq[:, m0:m1] = _ungroup_rows(dq_t * softmax_scale, m1 - m0)
-    dk = (dk * softmax_scale).to(k.dtype).transpose(1, 2).contiguous()
-    return dq, dk, dv.to(v.dtype).transpose(1, 2).contiguous()
+            dk[:, :, n0:n1] += torch.matmul(dscores.transpose(-1, -2), q_t)  # q_t carries the scale
+        dq[:, m0:m1] = _ungroup_rows(dq_t * params.softmax_scale, m1 - m0)
+    return dq, dk.to(k.dtype).transpose(1, 2).contiguous(), dv.to(v.dtype).transpose(1, 2).contiguous()

@@ -12,6 +12,8 @@ import torch
 import triton
 from triton import knobs
 
+from . import dropout
+from .block_mask import BlockMask
 from .kernels import config
 from .kernels.backward import (
     attention_backward_dkdv_kernel,
@@ -19,6 +21,7 @@ from .kernels.backward import (
     attention_backward_preprocess_kernel,
 )
 from .kernels.forward import attention_forward_kernel
+from .params import NO_BOUND, AttentionParams, lse_shape
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -42,36 +45,101 @@ def _interpreter_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if interpreting() and dtype == torch.bfloat16 else dtype
 
 
-def _strides(x: torch.Tensor) -> tuple[int, int, int]:
-    """(batch, seq, head) strides of a (B, N, H, D) tensor."""
-    return x.stride(0), x.stride(1), x.stride(2)
+def _strides(x: torch.Tensor, varlen: bool = False) -> tuple[int, int, int]:
+    """(batch, seq, head) strides of a (B, N, H, D) tensor; varlen batches share one row (stride 0)."""
+    return 0 if varlen else x.stride(0), x.stride(1), x.stride(2)
 
 
-def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """O and natural-log LSE (batch, heads, seqlen_q) fp32, via the fused forward kernel."""
+def _batched(x: torch.Tensor) -> torch.Tensor:
+    """Varlen (total, H, D) tensors are run as one batch row (1, total, H, D); the kernels add cu_seqlens."""
+    return x.unsqueeze(0) if x.dim() == 3 else x
+
+
+def _lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int]:
+    """(batch, head) strides of the LSE rows: dense (B, H, N_Q), varlen (H, total_q) with no batch stride."""
+    return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+
+
+def _features(p: AttentionParams) -> tuple[dict, dict]:
+    """Runtime arguments and constexpr flags of the feature set, shared by every kernel."""
+    runtime = dict(
+        CU_SEQLENS_Q=p.cu_seqlens_q, CU_SEQLENS_K=p.cu_seqlens_k, ALIBI_SLOPES=p.alibi_slopes,
+        softcap=p.softmax_scale / p.softcap if p.softcap > 0 else 0.0,
+        window_left=max(p.window_left, 0), window_right=max(p.window_right, 0),
+        seed=p.dropout_seed, threshold=dropout.threshold(p.dropout_p), dropout_scale=1.0 / (1.0 - p.dropout_p),
+        MASK_TENSORS=(), SCORE_TENSORS=tuple(p.score_mod.tensors) if p.score_mod else (),
+    )  # fmt: skip
+    flags = dict(
+        LEFT=p.window_left != NO_BOUND, RIGHT=p.window_right != NO_BOUND, SOFTCAP=p.softcap > 0,
+        ALIBI=p.alibi_slopes is not None, DROPOUT=p.dropout_p > 0, VARLEN=p.varlen, SPARSE=p.block_mask is not None,
+        SPARSE_BLOCK_M=1, SPARSE_BLOCK_N=1, MASK_MOD=None, SCORE_MOD=p.score_mod.fn if p.score_mod else None,
+    )  # fmt: skip
+    mask = p.block_mask
+    if mask is not None:
+        flags.update(SPARSE_BLOCK_M=mask.block_size[0], SPARSE_BLOCK_N=mask.block_size[1])
+        if mask.mask_mod is not None:
+            flags.update(MASK_MOD=mask.mask_mod.fn)
+            runtime.update(MASK_TENSORS=tuple(mask.mask_mod.tensors))
+    return runtime, flags
+
+
+def _tile_lists(mask: BlockMask | None, transposed: bool) -> dict:
+    """A BlockMask's tile lists as kernel arguments: per query tile or, transposed, per key tile.
+
+    Absent full lists become zero counts; a mask dim of size 1 is read with stride 0 (broadcast).
+    """
+    if mask is None:
+        return dict(TILE_NUM=None, TILE_IDX=None, FULL_NUM=None, FULL_IDX=None, stride_sb=0, stride_sh=0)
+    prefix = "q" if transposed else "kv"
+    num, idx = getattr(mask, f"{prefix}_num_blocks"), getattr(mask, f"{prefix}_indices")
+    full_num, full_idx = getattr(mask, f"full_{prefix}_num_blocks"), getattr(mask, f"full_{prefix}_indices")
+    if full_num is None:
+        full_num, full_idx = torch.zeros_like(num), idx
+    bm, hm, tiles = num.shape
+    return dict(
+        TILE_NUM=num, TILE_IDX=idx, FULL_NUM=full_num, FULL_IDX=full_idx,
+        stride_sb=hm * tiles if bm > 1 else 0, stride_sh=tiles if hm > 1 else 0,
+    )  # fmt: skip
+
+
+def _tile(size: int, mask: BlockMask | None, axis: int) -> int:
+    """A kernel tile edge, shrunk to divide the block mask's tile edge along that axis."""
+    return size if mask is None else math.gcd(size, mask.block_size[axis])
+
+
+def _lengths(q: torch.Tensor, k: torch.Tensor, p: AttentionParams) -> tuple[int, int, int]:
+    """batch and the (longest) query / key lengths of (B, N, H, D) tensors, or of a varlen batch."""
+    if p.varlen:
+        return p.cu_seqlens_q.shape[0] - 1, p.max_seqlen_q, p.max_seqlen_k
+    return q.shape[0], q.shape[1], k.shape[1]
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """O and the natural-log LSE in fp32 (params.py has the layouts), via the fused forward kernel."""
     out_dtype = q.dtype
     run_dtype = _interpreter_dtype(q.dtype)
-    q, k, v = (_last_dim_contiguous(x.to(run_dtype)) for x in (q, k, v))
-    batch, n_q, heads, head_dim = q.shape
-    n_k, heads_k = k.shape[1], k.shape[2]
-    out = torch.empty(batch, n_q, heads, head_dim, dtype=run_dtype, device=q.device)
-    lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)
+    shape = q.shape
+    lse = torch.empty(lse_shape(q, p.varlen), dtype=torch.float32, device=q.device)
+    q, k, v = (_batched(_last_dim_contiguous(x.to(run_dtype))) for x in (q, k, v))
+    batch, n_q, n_k = _lengths(q, k, p)
+    heads, head_dim, heads_k = q.shape[2], q.shape[3], k.shape[2]
+    out = torch.empty(q.shape, dtype=run_dtype, device=q.device)
 
     arch = config.arch_of(q.device, interpreting())
     cfg = config.forward_config(arch, head_dim, run_dtype)
-    grid = (triton.cdiv(n_q, cfg.block_m), batch * heads)
+    runtime, flags = _features(p)
+    block_m, block_n = _tile(cfg.block_m, p.block_mask, 0), _tile(cfg.block_n, p.block_mask, 1)
+    grid = (triton.cdiv(n_q, block_m), batch * heads)
     attention_forward_kernel[grid](
         q, k, v, out, lse,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-        n_q, n_k, softmax_scale * LOG2E,
-        H=heads, GROUP=heads // heads_k, D=head_dim, BLOCK_D=config.block_d(head_dim),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, EVEN_M=n_q % cfg.block_m == 0,
-        DOT_PRECISION=_dot_precision(run_dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        *_strides(q, p.varlen), *_strides(k, p.varlen), *_strides(v, p.varlen), *_strides(out, p.varlen),
+        *_lse_strides(lse, p.varlen),
+        N_Q=n_q, N_K=n_k, qk_scale=p.softmax_scale * LOG2E, H=heads, GROUP=heads // heads_k,
+        D=head_dim, BLOCK_D=config.block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        EVEN_M=not p.varlen and n_q % block_m == 0, DOT_PRECISION=_dot_precision(run_dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_tile_lists(p.block_mask, False), **runtime, **flags,
     )  # fmt: skip
-    return out.to(out_dtype), lse
+    return out.view(shape).to(out_dtype), lse
 
 
 def backward(
@@ -82,47 +150,53 @@ def backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    softmax_scale: float,
-    causal: bool,
+    p: AttentionParams,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV by recomputation from Q, K, V and the forward's LSE (no N x N buffer)."""
     grad_dtype = q.dtype
     run_dtype = _interpreter_dtype(q.dtype)
-    q, k, v, out, dout = (_last_dim_contiguous(x.to(run_dtype)) for x in (q, k, v, out, dout))
+    shapes = q.shape, k.shape, v.shape
+    q, k, v, out, dout = (_batched(_last_dim_contiguous(x.to(run_dtype))) for x in (q, k, v, out, dout))
     lse = lse.contiguous()
     dlse = dlse.contiguous()
-    batch, n_q, heads, head_dim = q.shape
-    n_k, heads_k = k.shape[1], k.shape[2]
-    group = heads // heads_k
+    batch, n_q, n_k = _lengths(q, k, p)
+    heads, head_dim, heads_k = q.shape[2], q.shape[3], k.shape[2]
     arch = config.arch_of(q.device, interpreting())
     cfg = config.backward_config(arch, head_dim, run_dtype)
+    runtime, flags = _features(p)
+    flags.update(SCORE_GRAD=p.score_mod.grad if p.score_mod else None)
     common = dict(H=heads, D=head_dim, BLOCK_D=config.block_d(head_dim))
-    dots = dict(CAUSAL=causal, DOT_PRECISION=_dot_precision(run_dtype))
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    kernel_args = dict(
+        N_Q=n_q, N_K=n_k, qk_scale=p.softmax_scale * LOG2E, softmax_scale=p.softmax_scale, GROUP=heads // heads_k,
+        DOT_PRECISION=_dot_precision(run_dtype), **common, **runtime, **flags, **launch,
+    )  # fmt: skip
+    lse_strides = _lse_strides(lse, p.varlen)
 
     delta = torch.empty_like(lse)
     block = config.PREPROCESS_BLOCK_M
     attention_backward_preprocess_kernel[(triton.cdiv(n_q, block), batch * heads)](
-        out, dout, dlse, delta, *_strides(out), *_strides(dout), n_q, BLOCK_M=block, **common
-    )
+        out, dout, dlse, delta, *_strides(out, p.varlen), *_strides(dout, p.varlen), *lse_strides,
+        N_Q=n_q, CU_SEQLENS_Q=p.cu_seqlens_q, BLOCK_M=block, VARLEN=p.varlen, **common,
+    )  # fmt: skip
 
     dq = torch.empty(q.shape, dtype=run_dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=run_dtype, device=q.device)
     dv = torch.empty(v.shape, dtype=run_dtype, device=q.device)
-    qk_scale = softmax_scale * LOG2E
-    attention_backward_dkdv_kernel[(triton.cdiv(n_k, cfg.block_n_kv), batch * heads_k)](
+    mask = p.block_mask
+    block_m, block_n = _tile(cfg.block_m_kv, mask, 0), _tile(cfg.block_n_kv, mask, 1)
+    attention_backward_dkdv_kernel[(triton.cdiv(n_k, block_n), batch * heads_k)](
         q, k, v, dout, lse, delta, dk, dv,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
-        n_q, n_k, qk_scale, softmax_scale,
-        GROUP=group, BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv,
-        EVEN_M=n_q % cfg.block_m_kv == 0, EVEN_N=n_k % cfg.block_n_kv == 0,
-        **common, **dots, **launch,
+        *(s for x in (q, k, v, dout, dk, dv) for s in _strides(x, p.varlen)), *lse_strides,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        EVEN_M=not p.varlen and n_q % block_m == 0, EVEN_N=not p.varlen and n_k % block_n == 0,
+        **_tile_lists(mask, transposed=True), **kernel_args,
     )  # fmt: skip
-    attention_backward_dq_kernel[(triton.cdiv(n_q, cfg.block_m_q), batch * heads)](
+    block_m, block_n = _tile(cfg.block_m_q, mask, 0), _tile(cfg.block_n_q, mask, 1)
+    attention_backward_dq_kernel[(triton.cdiv(n_q, block_m), batch * heads)](
         q, k, v, dout, lse, delta, dq,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
-        n_q, n_k, qk_scale, softmax_scale,
-        GROUP=group, BLOCK_M=cfg.block_m_q, BLOCK_N=cfg.block_n_q, EVEN_M=n_q % cfg.block_m_q == 0,
-        **common, **dots, **launch,
+        *(s for x in (q, k, v, dout, dq) for s in _strides(x, p.varlen)), *lse_strides,
+        BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=not p.varlen and n_q % block_m == 0,
+        **_tile_lists(mask, transposed=False), **kernel_args,
     )  # fmt: skip
-    return dq.to(grad_dtype), dk.to(grad_dtype), dv.to(grad_dtype)
+    return tuple(g.view(shape).to(grad_dtype) for g, shape in zip((dq, dk, dv), shapes, strict=True))

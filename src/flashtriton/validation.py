@@ -6,6 +6,8 @@ Each raises ValueError or TypeError whose message says what to change.
 from __future__ import annotations
 
 import math
+import numbers
+from itertools import pairwise
 
 import torch
 
@@ -24,21 +26,24 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x, 4, "(batch, seqlen, nheads, headdim)")
+    _check_shared(q, k, v, "(batch, seqlen_k, nheads_k, headdim)")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q has batch {q.shape[0]}, k and v have batch {k.shape[0]}: they must match")
+
+
+def _check_shared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: str) -> None:
+    """dtype, device, k/v shapes, head dim and GQA, for dense and varlen layouts (heads at dim -2)."""
     _check_same("dtype", q, k, v, lambda x: x.dtype)
     _check_same("device", q, k, v, lambda x: x.device)
     if q.dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
         raise TypeError(f"q, k, v have dtype {q.dtype}: supported dtypes are {names}; cast the inputs")
     if k.shape != v.shape:
-        raise ValueError(
-            f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape (batch, seqlen_k, nheads_k, headdim)"
-        )
-    if q.shape[0] != k.shape[0]:
-        raise ValueError(f"q has batch {q.shape[0]}, k and v have batch {k.shape[0]}: they must match")
-    if q.shape[3] != k.shape[3]:
-        raise ValueError(f"q has head dim {q.shape[3]}, k and v have {k.shape[3]}: they must match")
-    check_head_dim(q.shape[3])
-    heads, heads_k = q.shape[2], k.shape[2]
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape {kv_layout}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q has head dim {q.shape[-1]}, k and v have {k.shape[-1]}: they must match")
+    check_head_dim(q.shape[-1])
+    heads, heads_k = q.shape[-2], k.shape[-2]
     if heads_k == 0 or heads % heads_k != 0:
         raise ValueError(
             f"k and v have {heads_k} heads, q has {heads}: q heads must be a positive multiple of k heads (MQA/GQA)"
@@ -68,21 +73,116 @@ def resolve_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
     return float(softmax_scale)
 
 
-def check_features(dropout_p: float, window_size, softcap: float, alibi_slopes) -> None:
-    """Arguments of flash_attn's signature whose features are not implemented yet."""
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def check_window(window_size) -> tuple[int, int]:
+    """window_size: (left, right), each an int >= 0, or -1 for no bound on that side. Returns it as ints."""
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(map(_is_int, window_size))):
+        raise TypeError(f"window_size must be a pair of ints (left, right), e.g. (256, 0), got {window_size!r}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size must be (left, right) with each >= -1 (-1: unbounded), got {window_size}")
+    return left, right
+
+
+def check_dropout(dropout_p) -> float:
+    """dropout_p: a probability in [0, 1). Returns it as a float."""
+    if not _is_real(dropout_p):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_p > 0.0:
-        raise NotImplementedError("dropout_p > 0 is not implemented yet: pass dropout_p=0.0")
-    if len(window_size) != 2 or any(w < -1 for w in window_size):
-        raise ValueError(f"window_size must be (left, right) with each >= -1, got {window_size}")
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError(
-            "local attention (window_size != (-1, -1)) is not implemented yet: pass window_size=(-1, -1)"
+        raise ValueError(f"dropout_p must be in [0, 1) (0.0 disables dropout, e.g. for evaluation), got {dropout_p}")
+    return float(dropout_p)
+
+
+def check_softcap(softcap) -> float:
+    """softcap: a finite float >= 0 (0 disables it). Returns it as a float."""
+    if not _is_real(softcap):
+        raise TypeError(f"softcap must be a float (0.0 disables it), got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap >= 0.0):
+        raise ValueError(f"softcap must be >= 0 and finite (0.0 disables it), got {softcap}")
+    return float(softcap)
+
+
+def check_alibi_slopes(alibi_slopes: torch.Tensor, batch: int, nheads: int, device: torch.device) -> torch.Tensor:
+    """alibi_slopes: (nheads,) or (batch, nheads) fp32 on q's device. Returns it as (batch, nheads) fp32 contiguous."""
+    if not isinstance(alibi_slopes, torch.Tensor):
+        kind = type(alibi_slopes).__name__
+        raise TypeError(f"alibi_slopes must be a torch.Tensor of shape (nheads,) or (batch, nheads), got {kind}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}: pass alibi_slopes.float()")
+    if alibi_slopes.device != torch.device(device):
+        raise ValueError(
+            f"alibi_slopes is on {alibi_slopes.device}, q on {device}: move it with alibi_slopes.to(q.device)"
         )
-    if softcap < 0.0:
-        raise ValueError(f"softcap must be >= 0 (0 disables it), got {softcap}")
-    if softcap > 0.0:
-        raise NotImplementedError("softcap > 0 is not implemented yet: pass softcap=0.0")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes is not implemented yet: pass alibi_slopes=None")
+    if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+        raise ValueError(
+            f"alibi_slopes must have shape ({nheads},) (nheads) or ({batch}, {nheads}) (batch, nheads), "
+            f"got {tuple(alibi_slopes.shape)}"
+        )
+    return alibi_slopes.expand(batch, nheads).contiguous()
+
+
+def check_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> None:
+    """A packed variable-length batch: q (total_q, nheads, headdim), k, v (total_k, nheads_k, headdim),
+    cu_seqlens_q, cu_seqlens_k (batch + 1,) int32 on q's device, from 0, non-decreasing, ending at
+    total_q and total_k; max_seqlen_q, max_seqlen_k ints at least the longest sequence.
+
+    Reads cu_seqlens on the host (one device sync) to check their values.
+    """
+    check_tensor("q", q, 3, "(total_q, nheads, headdim)")
+    check_tensor("k", k, 3, "(total_k, nheads_k, headdim)")
+    check_tensor("v", v, 3, "(total_k, nheads_k, headdim)")
+    _check_shared(q, k, v, "(total_k, nheads_k, headdim)")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        check_tensor(name, cu, 1, "(batch + 1,)")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}: pass {name}.to(torch.int32)")
+        if cu.device != q.device:
+            raise ValueError(f"{name} is on {cu.device}, q on {q.device}: pass {name}.to(q.device)")
+        if cu.shape[0] == 0:
+            raise ValueError(f"{name} must have batch + 1 >= 1 entries, starting with 0; got an empty tensor")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries, cu_seqlens_k {cu_seqlens_k.shape[0]}: "
+            "both must be (batch + 1,) for the same batch"
+        )
+    for name, cu, total, max_name, max_seqlen in (
+        ("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),
+        ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k),
+    ):
+        starts = cu.tolist()
+        lengths = [b - a for a, b in pairwise(starts)]
+        if starts[0] != 0:
+            raise ValueError(f"{name} must start at 0 (cumulative sequence lengths), got {name}[0] = {starts[0]}")
+        for b, n in enumerate(lengths):
+            if n < 0:
+                raise ValueError(
+                    f"{name} must never decrease (cumulative sequence lengths), got {name}[{b}] = {starts[b]} "
+                    f"> {name}[{b + 1}] = {starts[b + 1]}"
+                )
+        if starts[-1] != total:
+            raise ValueError(
+                f"{name} ends at {starts[-1]} but the packed tensor has {total} tokens: "
+                "the last entry must be the total length"
+            )
+        if not _is_int(max_seqlen):
+            raise TypeError(f"{max_name} must be an int, got {type(max_seqlen).__name__}: pass int({max_name})")
+        if max_seqlen < max(lengths, default=0):
+            raise ValueError(
+                f"{max_name} is {max_seqlen} but the longest sequence in {name} has {max(lengths)} tokens: "
+                f"pass at least {max(lengths)}"
+            )

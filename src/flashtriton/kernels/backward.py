@@ -17,13 +17,29 @@ Q, K and the forward's LSE, one tile at a time.
 
 Each output element is written by exactly one program in a fixed order: the backward is
 deterministic (bitwise reproducible) whatever ``deterministic`` says.
-Causal: key tiles above the diagonal are skipped in both passes; only diagonal tiles are masked.
+Features: the forward's flags (LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN; see forward.py), with
+the same skipping of tiles outside the window band. Dropout regenerates the forward's mask from
+the seed; dV takes the dropped P, and dP is dropped and rescaled before dS = P * (dP - delta).
+A softcap multiplies dS by its derivative 1 - tanh^2.
 """
 
 import triton
 import triton.language as tl
 
-from .common import LOG2E, key_range, load_rows, load_tile, query_range, store_tile, visible
+from .common import (
+    LOG2E,
+    dropout_keep,
+    key_range,
+    load_rows,
+    load_tile,
+    logits,
+    mod_visible,
+    query_range,
+    sequence,
+    store_tile,
+    stretch,
+    visible,
+)
 
 
 @triton.jit(do_not_specialize=["N_Q", "H"])
@@ -31,20 +47,22 @@ def attention_backward_preprocess_kernel(
     O, DO, DLSE, DELTA,
     stride_ob, stride_om, stride_oh,
     stride_dob, stride_dom, stride_doh,
-    N_Q, H,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    stride_lb, stride_lh,
+    N_Q, H, CU_SEQLENS_Q,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
+    q_start, _, N_Q, _ = sequence(CU_SEQLENS_Q, CU_SEQLENS_Q, b, N_Q, N_Q, VARLEN)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o_ptrs = O + b * stride_ob + h * stride_oh + rows[:, None].to(tl.int64) * stride_om + offs_d[None, :]
-    do_ptrs = DO + b * stride_dob + h * stride_doh + rows[:, None].to(tl.int64) * stride_dom + offs_d[None, :]
+    o_ptrs = O + b * stride_ob + h * stride_oh + (q_start + rows[:, None]) * stride_om + offs_d[None, :]
+    do_ptrs = DO + b * stride_dob + h * stride_doh + (q_start + rows[:, None]) * stride_dom + offs_d[None, :]
     o = load_tile(o_ptrs, rows, N_Q, offs_d, D, False, BLOCK_D == D).to(tl.float32)
     do = load_tile(do_ptrs, rows, N_Q, offs_d, D, False, BLOCK_D == D).to(tl.float32)
-    row_ptrs = pid_bh.to(tl.int64) * N_Q + rows
+    row_ptrs = b * stride_lb + h * stride_lh + q_start + rows
     dlse = tl.load(DLSE + row_ptrs, mask=rows < N_Q, other=0.0)
     tl.store(DELTA + row_ptrs, tl.sum(o * do, 1) - dlse, mask=rows < N_Q)
 
@@ -52,11 +70,16 @@ def attention_backward_preprocess_kernel(
 @triton.jit
 def _dkdv_tiles(
     dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
-    cols, rows0, offs_d, lo, hi, N_Q, N_K, qk_scale,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    cols, rows0, offs_d, lo, hi, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
+    seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+    SCORE_GRAD: tl.constexpr, MASKED: tl.constexpr, APPLY_MOD: tl.constexpr, EVEN_M: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Accumulate the query tiles [lo, hi) into this key tile's dK, dV; pointers start at query lo."""
+    PLAIN: tl.constexpr = not (SOFTCAP or ALIBI or SCORE_MOD is not None)
+    CHAIN: tl.constexpr = SOFTCAP or SCORE_GRAD is not None  # dS picks up d logits / d score
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + rows0
         q = load_tile(q_ptrs, rows, N_Q, offs_d, D, EVEN_M, EVEN_D)
@@ -66,12 +89,29 @@ def _dkdv_tiles(
         delta = load_rows(delta_ptrs, rows, N_Q, 0.0, EVEN_M)
         # work transposed ([keys, queries]) so dK and dV accumulate without transposing them
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-        p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
+        s_scale = qk_scale
+        if not PLAIN:
+            s_t, deriv_t = logits(
+                s_t, rows[None, :], cols[:, None], N_K - N_Q, qk_scale, softcap, slope, b, h, N_Q, N_K,
+                SCORE_TENSORS, SOFTCAP, ALIBI, SCORE_MOD, SCORE_GRAD,
+            )  # fmt: skip
+            s_scale = 1.0
+        p_t = tl.math.exp2(s_t * s_scale - lse2[None, :])
         if MASKED:
-            p_t = tl.where(tl.trans(visible(rows, cols, N_Q, N_K, CAUSAL)), p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            mask = visible(rows, cols, N_Q, N_K, window_left, window_right, LEFT, RIGHT)
+            if APPLY_MOD:
+                mask = mod_visible(mask, b, h, rows[:, None], cols[None, :], N_Q, N_K, MASK_TENSORS, MASK_MOD)
+            p_t = tl.where(tl.trans(mask), p_t, 0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            keep_t = dropout_keep(seed, b, h, rows[None, :], cols[:, None], threshold)
+            dv = tl.dot(tl.where(keep_t, p_t * dropout_scale, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
+        if CHAIN:
+            ds_t = ds_t * deriv_t
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
@@ -80,7 +120,7 @@ def _dkdv_tiles(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K", "H", "GROUP"])
+@triton.jit(do_not_specialize=["N_Q", "N_K", "H", "GROUP", "window_left", "window_right", "seed", "threshold"])
 def attention_backward_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qm, stride_qh,
@@ -89,9 +129,14 @@ def attention_backward_dkdv_kernel(
     stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
+    stride_lb, stride_lh,
     N_Q, N_K, qk_scale, softmax_scale, H, GROUP,
-    D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, softcap, window_left, window_right, seed, threshold, dropout_scale,
+    TILE_NUM, TILE_IDX, FULL_NUM, FULL_IDX, stride_sb, stride_sh, MASK_TENSORS, SCORE_TENSORS,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+    VARLEN: tl.constexpr, SPARSE: tl.constexpr, SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
+    MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -100,44 +145,76 @@ def attention_backward_dkdv_kernel(
     b = (pid_bhk // HKV).to(tl.int64)
     hk = (pid_bhk % HKV).to(tl.int64)
     n0 = pid_n * BLOCK_N
+    q_start, k_start, N_Q, N_K = sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, N_Q, N_K, VARLEN)
+    if VARLEN:
+        if n0 >= N_K:
+            return
     EVEN_D: tl.constexpr = BLOCK_D == D
 
     cols = n0 + tl.arange(0, BLOCK_N)
     rows0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    k_ptrs = K + b * stride_kb + hk * stride_kh + cols[:, None].to(tl.int64) * stride_kn + offs_d[None, :]
-    v_ptrs = V + b * stride_vb + hk * stride_vh + cols[:, None].to(tl.int64) * stride_vn + offs_d[None, :]
+    k_ptrs = K + b * stride_kb + hk * stride_kh + (k_start + cols[:, None]) * stride_kn + offs_d[None, :]
+    v_ptrs = V + b * stride_vb + hk * stride_vh + (k_start + cols[:, None]) * stride_vn + offs_d[None, :]
     # Keys past N_K load as 0; their dK/dV rows are computed but never stored.
     k = load_tile(k_ptrs, cols, N_K, offs_d, D, EVEN_N, EVEN_D)
     v = load_tile(v_ptrs, cols, N_K, offs_d, D, EVEN_N, EVEN_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    lo, full_lo, hi = query_range(n0, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
-    lo64 = tl.cast(lo, tl.int64)
-    full_lo64 = tl.cast(full_lo, tl.int64)
+    lo, full_lo, full_hi, hi = query_range(n0, N_Q, N_K, window_left, window_right, BLOCK_M, BLOCK_N, LEFT, RIGHT)
     for g in range(GROUP):
         h = hk * GROUP + g
-        q_base = Q + b * stride_qb + h * stride_qh + rows0[:, None] * stride_qm + offs_d[None, :]
-        do_base = DO + b * stride_dob + h * stride_doh + rows0[:, None] * stride_dom + offs_d[None, :]
-        row_base = (b * H + h) * N_Q
-        dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base + lo64 * stride_qm, do_base + lo64 * stride_dom,
-            LSE + row_base + lo64 + rows0, DELTA + row_base + lo64 + rows0, stride_qm, stride_dom,
-            cols, rows0, offs_d, lo, full_lo, N_Q, N_K, qk_scale,
-            D, BLOCK_M, CAUSAL, True, EVEN_M, EVEN_D, DOT_PRECISION,
-        )  # fmt: skip
-        dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base + full_lo64 * stride_qm, do_base + full_lo64 * stride_dom,
-            LSE + row_base + full_lo64 + rows0, DELTA + row_base + full_lo64 + rows0, stride_qm, stride_dom,
-            cols, rows0, offs_d, full_lo, hi, N_Q, N_K, qk_scale,
-            D, BLOCK_M, CAUSAL, False, EVEN_M, EVEN_D, DOT_PRECISION,
-        )  # fmt: skip
+        slope = 0.0
+        if ALIBI:
+            slope = tl.load(ALIBI_SLOPES + b * H + h)
+        q_base = Q + b * stride_qb + h * stride_qh + (q_start + rows0[:, None]) * stride_qm + offs_d[None, :]
+        do_base = DO + b * stride_dob + h * stride_doh + (q_start + rows0[:, None]) * stride_dom + offs_d[None, :]
+        row_base = b * stride_lb + h * stride_lh + q_start + rows0
+        if SPARSE:
+            # this key tile's column of the block mask: full query tiles (unmasked: rows past N_Q are
+            # neutralised by their loads), then partial ones through MASK_MOD
+            n_tiles = tl.cdiv(N_Q, SPARSE_BLOCK_M)
+            row_end = tl.cdiv(N_Q, BLOCK_M) * BLOCK_M
+            col = b * stride_sb + h * stride_sh + n0 // SPARSE_BLOCK_N
+            for i in tl.static_range(2):
+                if i == 0:
+                    count = tl.load(FULL_NUM + col)
+                else:
+                    count = tl.load(TILE_NUM + col)
+                for t in range(count):
+                    if i == 0:
+                        start = tl.load(FULL_IDX + col * n_tiles + t) * SPARSE_BLOCK_M
+                    else:
+                        start = tl.load(TILE_IDX + col * n_tiles + t) * SPARSE_BLOCK_M
+                    offset = tl.cast(start, tl.int64)
+                    dk, dv = _dkdv_tiles(
+                        dk, dv, k, v, q_base + offset * stride_qm, do_base + offset * stride_dom,
+                        LSE + row_base + offset, DELTA + row_base + offset, stride_qm, stride_dom,
+                        cols, rows0, offs_d, start, tl.minimum(start + SPARSE_BLOCK_M, row_end), N_Q, N_K,
+                        qk_scale, softcap, slope,
+                        window_left, window_right, seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
+                        D, BLOCK_M, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, SCORE_GRAD,
+                        i == 1, i == 1, EVEN_M, EVEN_D, DOT_PRECISION,
+                    )  # fmt: skip
+        else:
+            # the band's three stretches of query tiles: lower edge (masked), whole tiles, upper edge (masked)
+            for i in tl.static_range(3):
+                start, end = stretch(i, lo, full_lo, full_hi, hi)
+                offset = tl.cast(start, tl.int64)
+                dk, dv = _dkdv_tiles(
+                    dk, dv, k, v, q_base + offset * stride_qm, do_base + offset * stride_dom,
+                    LSE + row_base + offset, DELTA + row_base + offset, stride_qm, stride_dom,
+                    cols, rows0, offs_d, start, end, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
+                    seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
+                    D, BLOCK_M, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, SCORE_GRAD,
+                    i != 1, False, EVEN_M, EVEN_D, DOT_PRECISION,
+                )  # fmt: skip
 
     # S = softmax_scale * Q K^T, so dK picks up the scale once here.
     dk = dk * softmax_scale
-    dk_ptrs = DK + b * stride_dkb + hk * stride_dkh + cols[:, None].to(tl.int64) * stride_dkn + offs_d[None, :]
-    dv_ptrs = DV + b * stride_dvb + hk * stride_dvh + cols[:, None].to(tl.int64) * stride_dvn + offs_d[None, :]
+    dk_ptrs = DK + b * stride_dkb + hk * stride_dkh + (k_start + cols[:, None]) * stride_dkn + offs_d[None, :]
+    dv_ptrs = DV + b * stride_dvb + hk * stride_dvh + (k_start + cols[:, None]) * stride_dvn + offs_d[None, :]
     store_tile(dk_ptrs, dk.to(DK.dtype.element_ty), cols, N_K, offs_d, D, EVEN_N, EVEN_D)
     store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), cols, N_K, offs_d, D, EVEN_N, EVEN_D)
 
@@ -145,28 +222,47 @@ def attention_backward_dkdv_kernel(
 @triton.jit
 def _dq_tiles(
     dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
-    rows, cols0, offs_d, lo, hi, N_Q, N_K, qk_scale,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    rows, cols0, offs_d, lo, hi, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
+    seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+    SCORE_GRAD: tl.constexpr, MASKED: tl.constexpr, APPLY_MOD: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Accumulate the key tiles [lo, hi) into this query tile's dQ; pointers start at key lo."""
+    PLAIN: tl.constexpr = not (SOFTCAP or ALIBI or SCORE_MOD is not None)
+    CHAIN: tl.constexpr = SOFTCAP or SCORE_GRAD is not None  # dS picks up d logits / d score
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + cols0
         k = load_tile(k_ptrs, cols, N_K, offs_d, D, not MASKED, EVEN_D)
         v = load_tile(v_ptrs, cols, N_K, offs_d, D, not MASKED, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        p = tl.math.exp2(s * qk_scale - lse2[:, None])
+        s_scale = qk_scale
+        if not PLAIN:
+            s, deriv = logits(
+                s, rows[:, None], cols[None, :], N_K - N_Q, qk_scale, softcap, slope, b, h, N_Q, N_K, SCORE_TENSORS,
+                SOFTCAP, ALIBI, SCORE_MOD, SCORE_GRAD,
+            )  # fmt: skip
+            s_scale = 1.0
+        p = tl.math.exp2(s * s_scale - lse2[:, None])
         if MASKED:
-            p = tl.where(visible(rows, cols, N_Q, N_K, CAUSAL), p, 0.0)
+            mask = visible(rows, cols, N_Q, N_K, window_left, window_right, LEFT, RIGHT)
+            if APPLY_MOD:
+                mask = mod_visible(mask, b, h, rows[:, None], cols[None, :], N_Q, N_K, MASK_TENSORS, MASK_MOD)
+            p = tl.where(mask, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            dp = tl.where(dropout_keep(seed, b, h, rows[:, None], cols[None, :], threshold), dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
+        if CHAIN:
+            ds = ds * deriv
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
     return dq
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K", "H", "GROUP"])
+@triton.jit(do_not_specialize=["N_Q", "N_K", "H", "GROUP", "window_left", "window_right", "seed", "threshold"])
 def attention_backward_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
     stride_qb, stride_qm, stride_qh,
@@ -174,9 +270,14 @@ def attention_backward_dq_kernel(
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dqb, stride_dqm, stride_dqh,
+    stride_lb, stride_lh,
     N_Q, N_K, qk_scale, softmax_scale, H, GROUP,
-    D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, softcap, window_left, window_right, seed, threshold, dropout_scale,
+    TILE_NUM, TILE_IDX, FULL_NUM, FULL_IDX, stride_sb, stride_sh, MASK_TENSORS, SCORE_TENSORS,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+    VARLEN: tl.constexpr, SPARSE: tl.constexpr, SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
+    MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
     EVEN_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -185,35 +286,71 @@ def attention_backward_dq_kernel(
     h = (pid_bh % H).to(tl.int64)
     hk = h // GROUP
     m0 = pid_m * BLOCK_M
+    q_start, k_start, N_Q, N_K = sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, N_Q, N_K, VARLEN)
+    if VARLEN:
+        if m0 >= N_Q:
+            return
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(ALIBI_SLOPES + b * H + h)
     EVEN_D: tl.constexpr = BLOCK_D == D
 
     rows = m0 + tl.arange(0, BLOCK_M)
     cols0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q_ptrs = Q + b * stride_qb + h * stride_qh + rows[:, None].to(tl.int64) * stride_qm + offs_d[None, :]
-    do_ptrs = DO + b * stride_dob + h * stride_doh + rows[:, None].to(tl.int64) * stride_dom + offs_d[None, :]
+    q_ptrs = Q + b * stride_qb + h * stride_qh + (q_start + rows[:, None]) * stride_qm + offs_d[None, :]
+    do_ptrs = DO + b * stride_dob + h * stride_doh + (q_start + rows[:, None]) * stride_dom + offs_d[None, :]
     q = load_tile(q_ptrs, rows, N_Q, offs_d, D, EVEN_M, EVEN_D)
     do = load_tile(do_ptrs, rows, N_Q, offs_d, D, EVEN_M, EVEN_D)
-    row_ptrs = pid_bh.to(tl.int64) * N_Q + rows
+    row_ptrs = b * stride_lb + h * stride_lh + q_start + rows
     lse2 = load_rows(LSE + row_ptrs, rows, N_Q, float("inf"), EVEN_M) * LOG2E
     delta = load_rows(DELTA + row_ptrs, rows, N_Q, 0.0, EVEN_M)
 
-    k_base = K + b * stride_kb + hk * stride_kh + cols0[:, None] * stride_kn + offs_d[None, :]
-    v_base = V + b * stride_vb + hk * stride_vh + cols0[:, None] * stride_vn + offs_d[None, :]
+    k_base = K + b * stride_kb + hk * stride_kh + (k_start + cols0[:, None]) * stride_kn + offs_d[None, :]
+    v_base = V + b * stride_vb + hk * stride_vh + (k_start + cols0[:, None]) * stride_vn + offs_d[None, :]
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    full_hi, hi = key_range(m0, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
-    dq = _dq_tiles(
-        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
-        rows, cols0, offs_d, 0, full_hi, N_Q, N_K, qk_scale,
-        D, BLOCK_N, CAUSAL, False, EVEN_D, DOT_PRECISION,
-    )  # fmt: skip
-    start = tl.cast(full_hi, tl.int64)
-    dq = _dq_tiles(
-        dq, q, do, lse2, delta, k_base + start * stride_kn, v_base + start * stride_vn, stride_kn, stride_vn,
-        rows, cols0, offs_d, full_hi, hi, N_Q, N_K, qk_scale,
-        D, BLOCK_N, CAUSAL, True, EVEN_D, DOT_PRECISION,
-    )  # fmt: skip
+    if SPARSE:
+        # as the forward: full key tiles (split off the ragged end), then partial ones through MASK_MOD
+        n_tiles = tl.cdiv(N_K, SPARSE_BLOCK_N)
+        row = b * stride_sb + h * stride_sh + m0 // SPARSE_BLOCK_M
+        even_end = N_K // BLOCK_N * BLOCK_N
+        for i in tl.static_range(2):
+            if i == 0:
+                count = tl.load(FULL_NUM + row)
+            else:
+                count = tl.load(TILE_NUM + row)
+            for t in range(count):
+                if i == 0:
+                    start = tl.load(FULL_IDX + row * n_tiles + t) * SPARSE_BLOCK_N
+                else:
+                    start = tl.load(TILE_IDX + row * n_tiles + t) * SPARSE_BLOCK_N
+                end = tl.minimum(start + SPARSE_BLOCK_N, N_K)
+                mid = start
+                if i == 0:
+                    mid = tl.maximum(tl.minimum(end, even_end), start)
+                for j in tl.static_range(2):
+                    lo, hi = stretch(j, start, mid, end, end)
+                    offset = tl.cast(lo, tl.int64)
+                    dq = _dq_tiles(
+                        dq, q, do, lse2, delta, k_base + offset * stride_kn, v_base + offset * stride_vn,
+                        stride_kn, stride_vn, rows, cols0, offs_d, lo, hi, N_Q, N_K, qk_scale, softcap, slope,
+                        window_left, window_right, seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
+                        D, BLOCK_N, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, SCORE_GRAD,
+                        j == 1, i == 1, EVEN_D, DOT_PRECISION,
+                    )  # fmt: skip
+    else:
+        lo, full_lo, full_hi, hi = key_range(m0, N_Q, N_K, window_left, window_right, BLOCK_M, BLOCK_N, LEFT, RIGHT)
+        for i in tl.static_range(3):
+            start, end = stretch(i, lo, full_lo, full_hi, hi)
+            offset = tl.cast(start, tl.int64)
+            dq = _dq_tiles(
+                dq, q, do, lse2, delta, k_base + offset * stride_kn, v_base + offset * stride_vn, stride_kn, stride_vn,
+                rows, cols0, offs_d, start, end, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
+                seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
+                D, BLOCK_N, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, SCORE_GRAD,
+                i != 1, False, EVEN_D, DOT_PRECISION,
+            )  # fmt: skip
 
     dq = dq * softmax_scale
-    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + rows[:, None].to(tl.int64) * stride_dqm + offs_d[None, :]
+    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + (q_start + rows[:, None]) * stride_dqm + offs_d[None, :]
     store_tile(dq_ptrs, dq.to(DQ.dtype.element_ty), rows, N_Q, offs_d, D, EVEN_M, EVEN_D)

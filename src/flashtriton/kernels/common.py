@@ -51,46 +51,147 @@ def load_rows(ptrs, rows, n_rows, other, ROWS_IN_BOUNDS: tl.constexpr):
 
 
 @triton.jit
-def visible(rows, cols, N_Q, N_K, CAUSAL: tl.constexpr):
-    """[rows, cols] mask of the scores that exist: key in range and, if causal, not in the future."""
+def visible(rows, cols, N_Q, N_K, window_left, window_right, LEFT: tl.constexpr, RIGHT: tl.constexpr):
+    """[rows, cols] mask of the scores that exist: key in range and inside the window band.
+
+    Query i sees key j iff i + offset - window_left <= j <= i + offset + window_right; LEFT / RIGHT
+    say whether that side is bounded at all (causal: RIGHT with window_right = 0).
+    """
     mask = cols[None, :] < N_K
-    if CAUSAL:
-        mask = mask & (cols[None, :] <= rows[:, None] + (N_K - N_Q))
+    diag = rows[:, None] + (N_K - N_Q)
+    if RIGHT:
+        mask = mask & (cols[None, :] <= diag + window_right)
+    if LEFT:
+        mask = mask & (cols[None, :] >= diag - window_left)
     return mask
 
 
 @triton.jit
-def key_range(m0, N_Q, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """Keys that the query tile [m0, m0 + BLOCK_M) attends to, as two ranges.
-
-    [0, full_hi) are whole key tiles every row sees (no mask needed); [full_hi, hi) are the tiles
-    that need the element mask (the causal diagonal and the ragged end of the key sequence).
+def _band(first, last, n, bound_lo, bound_hi, BLOCK: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr):
+    """Tiles of BLOCK along an axis of length n that the rows first..last (a tile of the other axis)
+    see, where row r sees [r - bound_lo, r + bound_hi]: returns lo <= full_lo <= full_hi <= hi, with
+    [full_lo, full_hi) seen whole by every row and [lo, full_lo), [full_hi, hi) partially.
     """
-    if CAUSAL:
-        # The tile's first row sees keys < m0 + 1 + offset; its last row keys < m0 + BLOCK_M + offset.
-        full_hi = tl.minimum(tl.maximum(m0 + 1 + N_K - N_Q, 0), N_K) // BLOCK_N * BLOCK_N
-        hi = tl.minimum(tl.maximum(m0 + BLOCK_M + N_K - N_Q, 0), N_K)
+    lo = 0
+    full_lo = 0
+    if LO:
+        lo = tl.maximum(first - bound_lo, 0) // BLOCK * BLOCK
+        full_lo = tl.cdiv(tl.maximum(last - bound_lo, 0), BLOCK) * BLOCK
+    if HI:
+        hi = tl.minimum(tl.maximum(last + bound_hi + 1, 0), n)
+        full_hi = tl.minimum(tl.maximum(first + bound_hi + 1, 0), n) // BLOCK * BLOCK
     else:
-        full_hi = N_K // BLOCK_N * BLOCK_N
-        hi = N_K
-    return full_hi, hi
+        hi = n
+        full_hi = n // BLOCK * BLOCK
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
-def query_range(n0, N_Q, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """Queries that see some key of the key tile [n0, n0 + BLOCK_N), as two ranges of query tiles.
+def key_range(
+    m0, N_Q, N_K, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+):  # fmt: skip
+    """Key tiles that the query tile [m0, m0 + BLOCK_M) sees: lo <= full_lo <= full_hi <= hi.
 
-    [lo, full_lo) need the causal mask (they straddle the diagonal); [full_lo, hi) see the whole
-    key tile. Rows past N_Q in the last tile are neutralised by their loads (LSE = +inf).
+    [full_lo, full_hi) are whole key tiles every row sees (no mask needed); [lo, full_lo) and
+    [full_hi, hi) need the element mask (window edges, the causal diagonal, the ragged last tile).
+    Tiles outside [lo, hi) are never visited.
     """
-    hi = tl.cdiv(N_Q, BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        offset = N_K - N_Q
-        # Row i sees key n0 iff i >= n0 - offset, and the whole tile iff i >= n0 + BLOCK_N - 1 - offset.
-        lo = tl.minimum(tl.maximum(n0 - offset, 0) // BLOCK_M * BLOCK_M, hi)
-        full_lo = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M
-        full_lo = tl.maximum(tl.minimum(full_lo, hi), lo)
+    diag = m0 + N_K - N_Q  # the key on the diagonal of row m0
+    return _band(diag, diag + BLOCK_M - 1, N_K, window_left, window_right, BLOCK_N, LEFT, RIGHT)
+
+
+@triton.jit
+def query_range(
+    n0, N_Q, N_K, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+):  # fmt: skip
+    """Query tiles that see some key of the key tile [n0, n0 + BLOCK_N), as key_range does for keys.
+
+    Key j is seen by rows j - offset - window_right .. j - offset + window_left. The range runs to
+    cdiv(N_Q, BLOCK_M) * BLOCK_M: rows past N_Q are neutralised by their loads (LSE = +inf).
+    """
+    diag = n0 - (N_K - N_Q)  # the query on the diagonal of key n0
+    n_rows = tl.cdiv(N_Q, BLOCK_M) * BLOCK_M
+    lo, full_lo, full_hi, hi = _band(diag, diag + BLOCK_N - 1, n_rows, window_right, window_left, BLOCK_M, RIGHT, LEFT)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def stretch(i: tl.constexpr, lo, full_lo, full_hi, hi):
+    """[start, end) of stretch i of a band: 0 its leading edge, 1 its whole tiles, 2 its trailing edge."""
+    if i == 0:
+        return lo, full_lo
+    elif i == 1:
+        return full_lo, full_hi
     else:
-        lo = 0
-        full_lo = 0
-    return lo, full_lo, hi
+        return full_hi, hi
+
+
+@triton.jit
+def sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, N_Q, N_K, VARLEN: tl.constexpr):
+    """(first query row, first key row, N_Q, N_K) of sequence b: its slice of a packed batch under VARLEN."""
+    q_start = 0
+    k_start = 0
+    if VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + b).to(tl.int64)
+        k_start = tl.load(CU_SEQLENS_K + b).to(tl.int64)
+        N_Q = (tl.load(CU_SEQLENS_Q + b + 1) - q_start).to(tl.int32)
+        N_K = (tl.load(CU_SEQLENS_K + b + 1) - k_start).to(tl.int32)
+    return q_start, k_start, N_Q, N_K
+
+
+@triton.jit
+def logits(
+    s, q_idx, k_idx, offset, qk_scale, softcap, slope, b, h, N_Q, N_K, SCORE_TENSORS,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
+):  # fmt: skip
+    """Base-2 logits of raw scores s = q.k: score_mod(softcap(softmax_scale * s) + ALiBi), times LOG2E.
+
+    q_idx, k_idx: query / key indices broadcastable to s (either orientation). Also returns
+    d logits / d(softmax_scale * s) in natural units (1 - tanh^2 of the softcap times the
+    score_mod's derivative) when the backward needs it (SCORE_GRAD), else s.
+    qk_scale is softmax_scale * LOG2E; with SOFTCAP, softcap arrives as softmax_scale / softcap.
+    """
+    deriv = s
+    if SOFTCAP:
+        # tanh(x) = 1 - 2 / (exp(2x) + 1), saturating correctly at both ends
+        t = 1.0 - 2.0 / (tl.math.exp2(s * (softcap * 2.0 * LOG2E)) + 1.0)
+        s = t * (qk_scale / softcap)
+        deriv = 1.0 - t * t
+    else:
+        s = s * qk_scale
+    if ALIBI:
+        s = s - (slope * LOG2E) * tl.abs(q_idx + offset - k_idx).to(tl.float32)
+    if SCORE_MOD is not None:
+        # mods see natural-unit scores and in-range indices (ragged padding is clamped, then discarded)
+        q_in = tl.minimum(q_idx, N_Q - 1)
+        k_in = tl.minimum(k_idx, N_K - 1)
+        natural = s * LN2
+        if SCORE_GRAD is not None:
+            grad = SCORE_GRAD(natural, b.to(tl.int32), h.to(tl.int32), q_in, k_in, *SCORE_TENSORS)
+            if SOFTCAP:
+                deriv = deriv * grad
+            else:
+                deriv = grad
+        s = SCORE_MOD(natural, b.to(tl.int32), h.to(tl.int32), q_in, k_in, *SCORE_TENSORS) * LOG2E
+    return s, deriv
+
+
+@triton.jit
+def mod_visible(mask, b, h, q_idx, k_idx, N_Q, N_K, MASK_TENSORS, MASK_MOD: tl.constexpr):
+    """mask & mask_mod at in-range indices (ragged padding is clamped; visible() already hides it)."""
+    q_in = tl.minimum(q_idx, N_Q - 1)
+    k_in = tl.minimum(k_idx, N_K - 1)
+    return mask & MASK_MOD(b.to(tl.int32), h.to(tl.int32), q_in, k_in, *MASK_TENSORS)
+
+
+@triton.jit
+def dropout_keep(seed, b, h, q_idx, k_idx, threshold):
+    """flashtriton.dropout's keep-mask of (sequence b, query head h) at broadcastable q_idx, k_idx (int32)."""
+    zero = q_idx * 0 + k_idx * 0
+    r, _, _, _ = tl.philox(seed, k_idx + zero, q_idx + zero, zero + h.to(tl.int32), zero + b.to(tl.int32))
+    return (r >> 1).to(tl.int32) >= threshold

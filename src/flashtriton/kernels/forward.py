@@ -7,7 +7,21 @@ Notation
   BLOCK_M      query rows owned by one program
   BLOCK_N      key rows streamed per inner step
 
-Grid: (cdiv(N_Q, BLOCK_M), B * H). One program computes O[b, m0:m0+BLOCK_M, h, :] and its LSE:
+Feature flags (tl.constexpr; params.py has the semantics)
+  LEFT, RIGHT  the window band has a left / right bound (causal: RIGHT with window_right = 0)
+  SOFTCAP      score = softcap * tanh(score / softcap)
+  ALIBI        score -= slope[b, h] * |i + offset - j|
+  DROPOUT      P is dropped by the Philox mask of dropout.py and rescaled by 1 / (1 - p)
+  VARLEN       sequence b is rows CU_SEQLENS_Q[b]:CU_SEQLENS_Q[b + 1] of a packed batch; N_Q, N_K
+               are then that sequence's lengths and programs past its end exit at once
+  SPARSE       visit the key tiles a BlockMask lists for this query tile (block_mask.py has the
+               layout; SPARSE_BLOCK_M/N are its tile edges, multiples of BLOCK_M/N) instead of the
+               window band: its full tiles unmasked, its partial tiles through MASK_MOD
+  MASK_MOD, SCORE_MOD, SCORE_GRAD   user @triton.jit functions (mods.py) or None, with their
+               tensors in the tuples MASK_TENSORS / SCORE_TENSORS
+
+Grid: (cdiv(N_Q, BLOCK_M), B * H), with N_Q the longest sequence under VARLEN. One program computes
+O[b, m0:m0+BLOCK_M, h, :] and its LSE:
 it keeps the Q tile in registers, streams the K/V tiles the rows can see through on-chip memory,
 and keeps a running max m, running sum l and unnormalised accumulator (online softmax).
 Normalisation by l happens once, after the last tile.
@@ -16,39 +30,71 @@ Numerics: scores are taken in base 2 with softmax_scale * LOG2E folded into one 
 (qk_scale), so m is in base-2 units; l and the accumulator are fp32. The LSE written out is
 natural-log (flash_attn's softmax_lse). A row that sees no key gets O = 0 and LSE = +inf, so the
 backward's exp2(s - LSE) is exactly 0 there.
-Causal: tiles entirely above the diagonal are never visited; only tiles on the diagonal (and the
-ragged last key tile) pay for the element mask.
+Masks: key tiles outside the window band (above the causal diagonal) are never visited; only tiles
+that cross a band edge (and the ragged last key tile) pay for the element mask.
 """
 
 import triton
 import triton.language as tl
 
-from .common import LN2, key_range, load_tile, store_tile, visible
+from .common import (
+    LN2,
+    dropout_keep,
+    key_range,
+    load_tile,
+    logits,
+    mod_visible,
+    sequence,
+    store_tile,
+    stretch,
+    visible,
+)
 
 
 @triton.jit
 def _attend_tiles(
     acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-    rows, cols0, offs_d, lo, hi, N_Q, N_K, qk_scale,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    rows, cols0, offs_d, lo, hi, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
+    seed, threshold, b, h, MASK_TENSORS, SCORE_TENSORS,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+    MASKED: tl.constexpr, APPLY_MOD: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Fold key tiles [lo, hi) into the running (acc, l_i, m_i); pointers start at key lo."""
+    """Fold key tiles [lo, hi) into the running (acc, l_i, m_i); pointers start at key lo.
+
+    MASKED tiles get the bounds and window mask and, with APPLY_MOD, the user's MASK_MOD.
+    """
+    # Plain scores stay raw and take qk_scale inside the exp2's FMA; modified ones arrive in base 2.
+    PLAIN: tl.constexpr = not (SOFTCAP or ALIBI or SCORE_MOD is not None)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + cols0
         k = load_tile(k_ptrs, cols, N_K, offs_d, D, not MASKED, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s_scale = qk_scale
+        if not PLAIN:
+            s, _ = logits(
+                s, rows[:, None], cols[None, :], N_K - N_Q, qk_scale, softcap, slope, b, h, N_Q, N_K, SCORE_TENSORS,
+                SOFTCAP, ALIBI, SCORE_MOD, None,
+            )  # fmt: skip
+            s_scale = 1.0
         if MASKED:
-            s = tl.where(visible(rows, cols, N_Q, N_K, CAUSAL), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            mask = visible(rows, cols, N_Q, N_K, window_left, window_right, LEFT, RIGHT)
+            if APPLY_MOD:
+                mask = mod_visible(mask, b, h, rows[:, None], cols[None, :], N_Q, N_K, MASK_TENSORS, MASK_MOD)
+            s = tl.where(mask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
+        m_shift = m_new
         if MASKED:
-            # A row with no visible key so far keeps m = -inf; shift by 0 instead to avoid inf - inf.
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+            # A row with no visible key so far keeps m = -inf; shift it by 0 instead (no inf - inf).
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s * s_scale - m_shift[:, None])
         # rescale what was accumulated under the old max
-        alpha = tl.math.exp2(m_i - m_new)
+        alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
+        if DROPOUT:
+            # the softmax sum above is of the undropped P; only the product with V sees the mask
+            p = tl.where(dropout_keep(seed, b, h, rows[:, None], cols[None, :], threshold), p, 0.0)
         v = load_tile(v_ptrs, cols, N_K, offs_d, D, not MASKED, EVEN_D)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -57,17 +103,21 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K", "H", "GROUP"])
+@triton.jit(do_not_specialize=["N_Q", "N_K", "H", "GROUP", "window_left", "window_right", "seed", "threshold"])
 def attention_forward_kernel(
     Q, K, V, O, LSE,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lh,
     N_Q, N_K, qk_scale, H, GROUP,
-    D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, softcap, window_left, window_right, seed, threshold, dropout_scale,
+    TILE_NUM, TILE_IDX, FULL_NUM, FULL_IDX, stride_sb, stride_sh, MASK_TENSORS, SCORE_TENSORS,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+    VARLEN: tl.constexpr, SPARSE: tl.constexpr, SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
+    MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, EVEN_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -75,44 +125,85 @@ def attention_forward_kernel(
     h = (pid_bh % H).to(tl.int64)
     hk = h // GROUP
     m0 = pid_m * BLOCK_M
+    q_start, k_start, N_Q, N_K = sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, N_Q, N_K, VARLEN)
+    if VARLEN:
+        if m0 >= N_Q:
+            return
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(ALIBI_SLOPES + b * H + h)
 
     rows = m0 + tl.arange(0, BLOCK_M)
     cols0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     EVEN_D: tl.constexpr = BLOCK_D == D
 
-    q_ptrs = Q + b * stride_qb + h * stride_qh + rows[:, None].to(tl.int64) * stride_qm + offs_d[None, :]
+    q_ptrs = Q + b * stride_qb + h * stride_qh + (q_start + rows[:, None]) * stride_qm + offs_d[None, :]
     q = load_tile(q_ptrs, rows, N_Q, offs_d, D, EVEN_M, EVEN_D)
 
-    k_base = K + b * stride_kb + hk * stride_kh + cols0[:, None] * stride_kn + offs_d[None, :]
-    v_base = V + b * stride_vb + hk * stride_vh + cols0[:, None] * stride_vn + offs_d[None, :]
+    k_base = K + b * stride_kb + hk * stride_kh + (k_start + cols0[:, None]) * stride_kn + offs_d[None, :]
+    v_base = V + b * stride_vb + hk * stride_vh + (k_start + cols0[:, None]) * stride_vn + offs_d[None, :]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    full_hi, hi = key_range(m0, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
-        rows, cols0, offs_d, 0, full_hi, N_Q, N_K, qk_scale,
-        D, BLOCK_N, CAUSAL, False, EVEN_D, DOT_PRECISION,
-    )  # fmt: skip
-    start = tl.cast(full_hi, tl.int64)
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, k_base + start * stride_kn, v_base + start * stride_vn, stride_kn, stride_vn,
-        rows, cols0, offs_d, full_hi, hi, N_Q, N_K, qk_scale,
-        D, BLOCK_N, CAUSAL, True, EVEN_D, DOT_PRECISION,
-    )  # fmt: skip
+    if SPARSE:
+        # this query tile's row of the block mask: full key tiles, then partial ones (any order is exact);
+        # the launcher passes zero counts for absent full lists
+        n_tiles = tl.cdiv(N_K, SPARSE_BLOCK_N)
+        row = b * stride_sb + h * stride_sh + m0 // SPARSE_BLOCK_M
+        even_end = N_K // BLOCK_N * BLOCK_N  # the ragged last key tile needs the bounds mask
+        for i in tl.static_range(2):
+            if i == 0:
+                count = tl.load(FULL_NUM + row)
+            else:
+                count = tl.load(TILE_NUM + row)
+            for t in range(count):
+                if i == 0:
+                    block = tl.load(FULL_IDX + row * n_tiles + t)
+                else:
+                    block = tl.load(TILE_IDX + row * n_tiles + t)
+                start = block * SPARSE_BLOCK_N
+                end = tl.minimum(start + SPARSE_BLOCK_N, N_K)
+                mid = start  # partial tiles: all of [start, end) masked
+                if i == 0:
+                    mid = tl.maximum(tl.minimum(end, even_end), start)
+                for j in tl.static_range(2):
+                    lo, hi = stretch(j, start, mid, end, end)
+                    offset = tl.cast(lo, tl.int64)
+                    acc, l_i, m_i = _attend_tiles(
+                        acc, l_i, m_i, q, k_base + offset * stride_kn, v_base + offset * stride_vn,
+                        stride_kn, stride_vn, rows, cols0, offs_d, lo, hi, N_Q, N_K, qk_scale, softcap, slope,
+                        window_left, window_right, seed, threshold, b, h, MASK_TENSORS, SCORE_TENSORS,
+                        D, BLOCK_N, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD,
+                        j == 1, i == 1, EVEN_D, DOT_PRECISION,
+                    )  # fmt: skip
+    else:
+        lo, full_lo, full_hi, hi = key_range(m0, N_Q, N_K, window_left, window_right, BLOCK_M, BLOCK_N, LEFT, RIGHT)
+        # the band's three stretches: left edge (masked), whole tiles, right edge and ragged end (masked)
+        for i in tl.static_range(3):
+            start, end = stretch(i, lo, full_lo, full_hi, hi)
+            offset = tl.cast(start, tl.int64)
+            acc, l_i, m_i = _attend_tiles(
+                acc, l_i, m_i, q, k_base + offset * stride_kn, v_base + offset * stride_vn, stride_kn, stride_vn,
+                rows, cols0, offs_d, start, end, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
+                seed, threshold, b, h, MASK_TENSORS, SCORE_TENSORS,
+                D, BLOCK_N, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, i != 1, False, EVEN_D,
+                DOT_PRECISION,
+            )  # fmt: skip
 
     # epilogue: normalise once; rows that saw no key get O = 0 and LSE = +inf
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    if DROPOUT:
+        l_safe = l_safe / dropout_scale
+    out = acc / l_safe[:, None]
 
-    o_ptrs = O + b * stride_ob + h * stride_oh + rows[:, None].to(tl.int64) * stride_om + offs_d[None, :]
+    o_ptrs = O + b * stride_ob + h * stride_oh + (q_start + rows[:, None]) * stride_om + offs_d[None, :]
     store_tile(o_ptrs, out.to(O.dtype.element_ty), rows, N_Q, offs_d, D, EVEN_M, EVEN_D)
-    lse_ptrs = LSE + pid_bh.to(tl.int64) * N_Q + rows
+    lse_ptrs = LSE + b * stride_lb + h * stride_lh + q_start + rows
     if EVEN_M:
         tl.store(lse_ptrs, lse)
     else:

@@ -1,0 +1,461 @@
+"""Sliding windows, softcap, ALiBi, dropout, variable-length batches, and a block mask with a
+score_mod, through the public API against the fp64 reference on every available target
+(params.py defines the semantics).
+
+Dropout is checked element for element: the test draws the seed the call will draw
+(torch.manual_seed, then dropout.draw_seed) and feeds the reference the mask dropout.keep makes
+from it, so a kernel that drops a different element fails.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import accumulate
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from flashtriton import (
+    attention_reference,
+    dropout,
+    flash_attn_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
+from flashtriton.block_mask import BlockMask, create_block_mask
+from flashtriton.mods import Mod, and_masks, causal_mask, document_mask
+from helpers import Shape, assert_close_to_reference, dtypes_for, random_qkv, reference_outputs, target_params
+
+NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+@dataclass(frozen=True)
+class Seqlens:
+    """A packed variable-length batch: sequence b has q[b] queries and k[b] keys."""
+
+    q: tuple[int, ...]
+    k: tuple[int, ...]
+    heads: int
+    heads_k: int
+    head_dim: int
+
+    def __str__(self) -> str:
+        gqa = f"h{self.heads}/{self.heads_k}" if self.heads != self.heads_k else f"h{self.heads}"
+        return f"q{','.join(map(str, self.q))}-k{','.join(map(str, self.k))}-{gqa}-d{self.head_dim}"
+
+    @property
+    def batch(self) -> int:
+        return len(self.q)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call: a dense Shape or packed Seqlens, and the options under test."""
+
+    shape: Shape | Seqlens
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi: str = ""  # "h": slopes of shape (nheads,); "bh": (batch, nheads)
+    dropout_p: float = 0.0
+    mods: bool = False  # a document-causal block mask and a score_mod with its gradient (dense only)
+    api: str = "varlen"  # for Seqlens: "varlen", "qkvpacked" or "kvpacked"
+
+    def __str__(self) -> str:
+        parts = [str(self.shape)]
+        if isinstance(self.shape, Seqlens) and self.api != "varlen":
+            parts.append(self.api)
+        if self.causal:
+            parts.append("causal")
+        if self.window != (-1, -1):
+            parts.append(f"w{self.window[0]},{self.window[1]}")
+        if self.softcap:
+            parts.append(f"cap{self.softcap:g}")
+        if self.alibi:
+            parts.append(f"alibi-{self.alibi}")
+        if self.dropout_p:
+            parts.append(f"drop{self.dropout_p:g}")
+        if self.mods:
+            parts.append("block-mask-score-mod")
+        return "-".join(parts)
+
+
+def _alibi_slopes(case: Case, device) -> torch.Tensor | None:
+    heads = case.shape.heads
+    if case.alibi == "h":  # the geometric slopes of the ALiBi paper
+        return 2.0 ** (-8.0 * torch.arange(1, heads + 1, device=device) / heads)
+    if case.alibi == "bh":
+        return torch.rand(case.shape.batch, heads, device=device) * 0.5
+    return None
+
+
+@triton.jit
+def _gated_bias(score, b, h, q_idx, kv_idx, gates):
+    return score + tl.load(gates + h) * tl.sigmoid(score)
+
+
+@triton.jit
+def _gated_bias_grad(score, b, h, q_idx, kv_idx, gates):
+    s = tl.sigmoid(score)
+    return 1.0 + tl.load(gates + h) * s * (1.0 - s)
+
+
+def _mods(shape: Shape, device) -> tuple[BlockMask, Mod]:
+    """A causal block mask within random documents, and a nonlinear per-head score_mod."""
+    doc_ids = torch.randint(0, 4, (shape.n_q,), device=device).sort().values
+    block_size = (32, 16) if shape.n_q < 128 else (128, 64)
+    mask_mod = and_masks(causal_mask(), document_mask(doc_ids))
+    block_mask = create_block_mask(mask_mod, None, None, shape.n_q, shape.n_k, device, block_size)
+    gates = torch.rand(shape.heads, device=device) * 2.0
+    return block_mask, Mod(_gated_bias, (gates,), _gated_bias_grad)
+
+
+def _packed_inputs(lens: Seqlens, dtype, device):
+    """q (total_q, H, D), k, v (total_k, HKV, D) and int32 cu_seqlens_q, cu_seqlens_k."""
+    q = torch.randn(sum(lens.q), lens.heads, lens.head_dim, dtype=dtype, device=device)
+    k = torch.randn(sum(lens.k), lens.heads_k, lens.head_dim, dtype=dtype, device=device)
+    v = torch.randn(sum(lens.k), lens.heads_k, lens.head_dim, dtype=dtype, device=device)
+    cu_q, cu_k = (torch.tensor([0, *accumulate(n)], dtype=torch.int32, device=device) for n in (lens.q, lens.k))
+    return q, k, v, cu_q, cu_k
+
+
+def _backprop(out, lse, dout, dlse) -> None:
+    finite = torch.isfinite(lse)
+    ((out * dout).sum() + (lse[finite] * dlse[finite]).sum()).backward()
+
+
+def _run_varlen(case: Case, q, k, v, cu_q, cu_k, dout, dlse, **options):
+    """out, lse, dq, dk, dv of the case's varlen entry point; packed inputs get their gradient unpacked."""
+    lens = case.shape
+    max_q, max_k = max(lens.q), max(lens.k)
+    if case.api == "qkvpacked":
+        qkv = torch.stack([q, k, v], dim=1).requires_grad_()
+        out, lse, _ = flash_attn_varlen_qkvpacked_func(qkv, cu_q, max_q, **options)
+        _backprop(out, lse, dout, dlse)
+        return out.detach(), lse.detach(), *qkv.grad.unbind(1)
+    if case.api == "kvpacked":
+        q = q.clone().requires_grad_()
+        kv = torch.stack([k, v], dim=1).requires_grad_()
+        out, lse, _ = flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, max_q, max_k, **options)
+        _backprop(out, lse, dout, dlse)
+        return out.detach(), lse.detach(), q.grad, *kv.grad.unbind(1)
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **options)
+    _backprop(out, lse, dout, dlse)
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def _seed_of_next_call(torch_seed: int) -> int:
+    """Seed torch's generator; return the dropout seed that the next flashtriton call will draw from it."""
+    torch.manual_seed(torch_seed)
+    seed = int(dropout.draw_seed())
+    torch.manual_seed(torch_seed)
+    return seed
+
+
+def check_case(target, case: Case) -> None:
+    """out, lse and the three gradients of one case, in each of the target's dtypes, against the reference."""
+    for dtype in dtypes_for(target):
+        options = dict(
+            causal=case.causal, window_size=case.window, softcap=case.softcap,
+            alibi_slopes=_alibi_slopes(case, target.device), dropout_p=case.dropout_p,
+        )  # fmt: skip
+        reference = dict(options)
+        if isinstance(case.shape, Shape):
+            s = case.shape
+            q, k, v = random_qkv(s, dtype, target.device)
+            dout = torch.randn(q.shape, dtype=dtype, device=q.device)
+            dlse = torch.randn(s.batch, s.heads, s.n_q, device=q.device)
+            if case.mods:
+                block_mask, score_mod = _mods(s, target.device)
+                options.update(block_mask=block_mask, score_mod=score_mod)
+                heads = torch.arange(s.heads, device=q.device)
+                reference.update(mask=block_mask.element_mask(b=torch.arange(s.batch), h=heads), score_mod=score_mod)
+            seed = _seed_of_next_call(1)
+            out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, **options)
+            _backprop(out, lse, dout, dlse)
+            ours = (out.detach(), lse.detach(), q.grad, k.grad, v.grad)
+            if case.dropout_p > 0:
+                reference["dropout_mask"] = dropout.dropout_mask(
+                    seed, case.dropout_p, s.batch, s.heads, s.n_q, s.n_k, q.device
+                )
+        else:
+            q, k, v, cu_q, cu_k = _packed_inputs(case.shape, dtype, target.device)
+            dout = torch.randn(q.shape, dtype=dtype, device=q.device)
+            dlse = torch.randn(q.shape[1], q.shape[0], device=q.device)
+            seed = _seed_of_next_call(1)
+            ours = _run_varlen(case, q, k, v, cu_q, cu_k, dout, dlse, return_attn_probs=True, **options)
+            reference.update(cu_seqlens=(cu_q, cu_k), dropout_seed=seed)
+        exact = reference_outputs(q, k, v, dout, dlse, **reference)
+        plain = reference_outputs(q, k, v, dout, dlse, compute_dtype=None, **reference)
+        for name, a, e, p in zip(NAMES, ours, exact, plain, strict=True):
+            assert a.dtype == (torch.float32 if name == "lse" else dtype), name
+            assert_close_to_reference(f"{name} ({dtype})", a, e, p)
+
+
+def _cases(**by_size) -> list:
+    return target_params(by_size)
+
+
+# Windows narrower than the sequences, so key tiles are skipped as well as masked; n_q > n_k with a
+# small right bound leaves the first rows with no key at all.
+WINDOWS = _cases(
+    tiny=[
+        Case(Shape(1, 45, 45, 2, 1, 16), window=(8, -1)),
+        Case(Shape(1, 40, 60, 2, 2, 24), window=(-1, 5)),
+        Case(Shape(2, 50, 33, 2, 1, 16), window=(6, 3)),
+        Case(Shape(1, 45, 45, 2, 2, 16), causal=True, window=(10, -1)),
+        Case(Shape(1, 37, 37, 1, 1, 16), window=(0, 0)),
+    ],
+    cpu=[
+        Case(Shape(2, 1000, 1000, 4, 2, 64), window=(200, -1)),
+        Case(Shape(1, 600, 1300, 2, 2, 72), window=(-1, 100)),
+        Case(Shape(2, 900, 500, 4, 1, 40), window=(60, 30)),
+        Case(Shape(1, 1000, 1000, 2, 2, 64), causal=True, window=(333, -1)),
+        Case(Shape(1, 257, 257, 2, 1, 64), window=(0, 0)),
+    ],
+    gpu=[
+        Case(Shape(2, 2048, 2048, 8, 2, 128), window=(256, -1)),
+        Case(Shape(1, 1500, 3000, 4, 4, 64), window=(-1, 200)),
+        Case(Shape(2, 3000, 1000, 4, 1, 96), window=(128, 64)),
+        Case(Shape(1, 4096, 4096, 8, 2, 64), causal=True, window=(1000, -1)),
+        Case(Shape(1, 1000, 1000, 4, 4, 128), causal=True, window=(0, 0)),
+    ],
+)
+
+
+@pytest.mark.parametrize("backend,case", WINDOWS, indirect=["backend"])
+def test_window(backend, case):
+    check_case(backend, case)
+
+
+EMPTY_ROWS = _cases(
+    tiny=[Case(Shape(2, 50, 30, 4, 2, 24), window=(5, 2))],
+    cpu=[Case(Shape(2, 700, 300, 4, 2, 64), window=(50, 10))],
+    gpu=[Case(Shape(2, 2000, 900, 8, 2, 128), window=(200, 20))],
+)
+
+
+@pytest.mark.parametrize("backend,case", EMPTY_ROWS, indirect=["backend"])
+def test_window_rows_without_keys_are_zero_not_nan(backend, case):
+    """With offset = n_k - n_q < 0, rows i < -(offset + right) see no key: out 0, lse +inf, grads 0."""
+    s = case.shape
+    q, k, v = random_qkv(s, torch.float16, backend.device)
+    out, lse, _ = flash_attn_func(q, k, v, window_size=case.window, return_attn_probs=True)
+    out.backward(torch.randn_like(out))
+    empty = s.n_q - s.n_k - case.window[1]
+    assert torch.equal(out[:, :empty], torch.zeros_like(out[:, :empty]))
+    assert torch.isposinf(lse[:, :, :empty]).all() and torch.isfinite(lse[:, :, empty:]).all()
+    assert torch.equal(q.grad[:, :empty], torch.zeros_like(q.grad[:, :empty]))
+    for x in (out, q.grad, k.grad, v.grad):
+        assert not torch.isnan(x).any()
+    assert q.grad[:, empty:].abs().amax() > 0
+
+
+SOFTCAP = _cases(
+    tiny=[Case(Shape(1, 40, 40, 2, 1, 16), softcap=1.5), Case(Shape(1, 33, 50, 2, 2, 24), causal=True, softcap=3.0)],
+    cpu=[
+        Case(Shape(2, 300, 300, 4, 2, 64), softcap=2.0),
+        Case(Shape(1, 1000, 700, 2, 1, 96), causal=True, softcap=5.0),
+    ],
+    gpu=[
+        Case(Shape(2, 1000, 1000, 8, 2, 128), softcap=2.0),
+        Case(Shape(1, 4096, 4096, 8, 8, 64), causal=True, softcap=5.0),
+    ],
+)
+
+
+@pytest.mark.parametrize("backend,case", SOFTCAP, indirect=["backend"])
+def test_softcap(backend, case):
+    check_case(backend, case)
+
+
+ALIBI = _cases(
+    tiny=[Case(Shape(1, 40, 40, 4, 2, 16), alibi="h"), Case(Shape(2, 30, 45, 2, 1, 16), causal=True, alibi="bh")],
+    cpu=[
+        Case(Shape(2, 500, 500, 4, 2, 64), alibi="h"),
+        Case(Shape(2, 300, 800, 4, 4, 64), causal=True, alibi="bh"),
+    ],
+    gpu=[
+        Case(Shape(2, 2048, 2048, 8, 2, 128), alibi="h"),
+        Case(Shape(2, 1000, 1500, 8, 8, 64), causal=True, alibi="bh"),
+    ],
+)
+
+
+@pytest.mark.parametrize("backend,case", ALIBI, indirect=["backend"])
+def test_alibi(backend, case):
+    check_case(backend, case)
+
+
+DROPOUT = _cases(
+    tiny=[
+        Case(Shape(2, 40, 40, 2, 1, 16), dropout_p=0.17),
+        Case(Shape(1, 33, 50, 2, 2, 24), causal=True, dropout_p=0.3),
+    ],
+    cpu=[
+        Case(Shape(2, 300, 300, 4, 2, 64), dropout_p=0.1),
+        Case(Shape(1, 700, 1000, 2, 1, 72), causal=True, dropout_p=0.3),
+    ],
+    gpu=[
+        Case(Shape(2, 1000, 1000, 8, 2, 128), dropout_p=0.1),
+        Case(Shape(1, 2000, 3000, 4, 2, 64), causal=True, dropout_p=0.25),
+    ],
+)
+
+
+@pytest.mark.parametrize("backend,case", DROPOUT, indirect=["backend"])
+def test_dropout(backend, case):
+    check_case(backend, case)
+
+
+ONE_SHAPE = {
+    "tiny": [Shape(2, 33, 40, 2, 1, 16)],
+    "cpu": [Shape(2, 300, 200, 4, 2, 72)],
+    "gpu": [Shape(2, 1000, 700, 8, 2, 72)],
+}
+
+
+@pytest.mark.parametrize("backend,shape", target_params(ONE_SHAPE), indirect=["backend"])
+def test_dropout_follows_torch_manual_seed(backend, shape):
+    """The same torch seed replays the mask bit for bit (forward and backward); another seed does not."""
+    q, k, v = random_qkv(shape, torch.float16, backend.device)
+    dout = torch.randn(q.shape, dtype=q.dtype, device=q.device)
+    runs = []
+    for seed in (1, 1, 2):
+        for x in (q, k, v):
+            x.grad = None
+        torch.manual_seed(seed)  # the only seeding: the call draws its dropout seed from torch's generator
+        out = flash_attn_func(q, k, v, dropout_p=0.2, causal=True)
+        out.backward(dout)
+        runs.append((out, q.grad, k.grad, v.grad))
+    for a, b in zip(runs[0], runs[1], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(runs[0], runs[2], strict=True):
+        assert not torch.equal(a, b)
+
+
+KEEP_SHAPE = {
+    "tiny": [Shape(1, 64, 64, 2, 1, 64)],
+    "cpu": [Shape(2, 512, 256, 4, 2, 256)],
+    "gpu": [Shape(4, 1024, 256, 8, 2, 256)],
+}
+
+
+@pytest.mark.parametrize("backend,shape", target_params(KEEP_SHAPE), indirect=["backend"])
+def test_dropout_keeps_one_minus_p(backend, shape):
+    """With V = identity the output row is the dropped probability row itself: its zeros are the
+    dropped entries. They must be exactly dropout.keep's, and a fraction p of all entries."""
+    p = 0.3
+    q, k, _ = random_qkv(shape, torch.float16, backend.device, requires_grad=False)
+    eye = torch.eye(shape.n_k, dtype=q.dtype, device=q.device)[None, :, None, :]
+    v = eye.expand(shape.batch, shape.n_k, shape.heads_k, shape.n_k)
+    seed = _seed_of_next_call(3)
+    out = flash_attn_func(q * 0.5, k, v, dropout_p=p)  # small scores: no probability underflows to 0
+    kept = (out != 0).transpose(1, 2)  # (batch, heads, n_q, n_k)
+    mask = dropout.dropout_mask(seed, p, shape.batch, shape.heads, shape.n_q, shape.n_k, q.device)
+    assert torch.equal(kept, mask)
+    n = kept.numel()
+    assert abs(kept.float().mean().item() - (1 - p)) < 6 * math.sqrt(p * (1 - p) / n)
+
+
+PROBS = _cases(
+    tiny=[Case(Shape(2, 20, 30, 2, 1, 16), causal=True, window=(12, -1), softcap=2.0, alibi="bh", dropout_p=0.25)],
+    cpu=[Case(Shape(2, 200, 300, 4, 2, 64), causal=True, window=(100, -1), softcap=2.0, alibi="bh", dropout_p=0.25)],
+    gpu=[Case(Shape(2, 500, 700, 8, 2, 64), causal=True, window=(300, -1), softcap=2.0, alibi="bh", dropout_p=0.25)],
+)
+
+
+@pytest.mark.parametrize("backend,case", PROBS, indirect=["backend"])
+def test_dropout_returns_probabilities_with_dropped_entries_negative(backend, case):
+    """return_attn_probs=True with dropout: the probabilities (batch, nheads, n_q, n_k) before
+    dropout, negated where dropped (flash_attn's S_dmask convention)."""
+    s = case.shape
+    q, k, _ = random_qkv(s, torch.float16, backend.device, requires_grad=False)
+    v = torch.randn_like(k)
+    slopes = _alibi_slopes(case, backend.device)
+    options = dict(causal=case.causal, window_size=case.window, softcap=case.softcap, alibi_slopes=slopes)
+    seed = _seed_of_next_call(4)
+    _, _, probs = flash_attn_func(q, k, v, dropout_p=case.dropout_p, return_attn_probs=True, **options)
+    assert probs.shape == (s.batch, s.heads, s.n_q, s.n_k)
+    # attention against V = identity returns the probabilities themselves
+    eye = torch.eye(s.n_k, dtype=q.dtype, device=q.device)[None, :, None, :].expand(s.batch, s.n_k, s.heads_k, s.n_k)
+    exact, plain = (
+        attention_reference(q, k, eye, compute_dtype=dtype, **options)[0].transpose(1, 2)
+        for dtype in (torch.float64, None)
+    )
+    assert_close_to_reference("probs", probs.abs(), exact, plain)
+    dropped = ~dropout.dropout_mask(seed, case.dropout_p, s.batch, s.heads, s.n_q, s.n_k, q.device)
+    # the sign of a probability too small for fp32 is lost (-0.0 is not < 0)
+    assert torch.equal(probs < 0, dropped & (exact > 1e-30))
+
+
+MIXED = _cases(
+    tiny=[Case(Shape(2, 45, 38, 4, 2, 24), causal=True, window=(12, -1), softcap=2.0, alibi="bh", dropout_p=0.2)],
+    cpu=[Case(Shape(2, 500, 400, 4, 2, 64), causal=True, window=(150, -1), softcap=3.0, alibi="bh", dropout_p=0.2)],
+    gpu=[
+        Case(Shape(2, 1500, 1300, 8, 2, 128), causal=True, window=(300, -1), softcap=3.0, alibi="bh", dropout_p=0.2),
+        Case(Shape(1, 1000, 2000, 4, 4, 64), window=(200, 100), softcap=5.0, alibi="h", dropout_p=0.1),
+    ],
+)
+
+
+@pytest.mark.parametrize("backend,case", MIXED, indirect=["backend"])
+def test_all_features_together(backend, case):
+    check_case(backend, case)
+
+
+BLOCK_MASKED = _cases(
+    tiny=[Case(Shape(2, 70, 70, 4, 2, 16), mods=True, softcap=3.0, dropout_p=0.1)],
+    cpu=[Case(Shape(2, 700, 700, 4, 2, 64), mods=True, softcap=3.0, dropout_p=0.1)],
+    gpu=[Case(Shape(2, 2048, 2048, 8, 2, 128), mods=True, softcap=3.0, dropout_p=0.1)],
+)
+
+
+@pytest.mark.parametrize("backend,case", BLOCK_MASKED, indirect=["backend"])
+def test_block_mask_and_score_mod_with_softcap_and_dropout(backend, case):
+    """The reference applies the block mask's element mask and differentiates the score_mod by autograd."""
+    check_case(backend, case)
+
+
+# Lengths 0 and 1, n_q > n_k (the last sequence in "tiny" sees no key at all), n_q < n_k, GQA.
+SEQLENS = {
+    "tiny": Seqlens(q=(5, 0, 1, 17, 40, 3), k=(7, 3, 1, 17, 25, 0), heads=4, heads_k=2, head_dim=16),
+    "cpu": Seqlens(q=(1, 0, 130, 513, 77, 300), k=(1, 5, 200, 513, 40, 0), heads=4, heads_k=2, head_dim=64),
+    "gpu": Seqlens(
+        q=(1, 0, 1000, 2048, 333, 700, 17), k=(1, 9, 1500, 2048, 200, 0, 900), heads=8, heads_k=2, head_dim=128
+    ),
+}
+SELF_SEQLENS = {  # one cu_seqlens for q and k, as flash_attn_varlen_qkvpacked_func takes
+    "tiny": Seqlens(q=(9, 1, 0, 33), k=(9, 1, 0, 33), heads=2, heads_k=2, head_dim=24),
+    "cpu": Seqlens(q=(100, 1, 0, 777), k=(100, 1, 0, 777), heads=4, heads_k=4, head_dim=64),
+    "gpu": Seqlens(q=(1000, 1, 0, 3000, 77), k=(1000, 1, 0, 3000, 77), heads=8, heads_k=8, head_dim=64),
+}
+
+
+def _varlen_cases(size: str) -> list[Case]:
+    lens, same = SEQLENS[size], SELF_SEQLENS[size]
+    window = {"tiny": (6, 2), "cpu": (64, 16), "gpu": (256, 32)}[size]
+    return [
+        Case(lens),
+        Case(lens, causal=True),
+        Case(lens, window=window, softcap=2.0),
+        Case(lens, causal=True, alibi="bh"),
+        Case(lens, dropout_p=0.2),
+        Case(lens, causal=True, window=(window[0], -1), softcap=3.0, alibi="h", dropout_p=0.15),
+        Case(same, api="qkvpacked", causal=True, dropout_p=0.1),
+        Case(lens, api="kvpacked", window=window, alibi="bh"),
+    ]
+
+
+VARLEN = _cases(**{size: _varlen_cases(size) for size in SEQLENS})
+
+
+@pytest.mark.parametrize("backend,case", VARLEN, indirect=["backend"])
+def test_varlen(backend, case):
+    """Each sequence of the packed batch against the reference on that sequence alone."""
+    check_case(backend, case)
