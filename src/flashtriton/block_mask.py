@@ -382,8 +382,10 @@ def create_block_mask(
     mask_mod: a @triton.jit ``mask_mod(b, h, q_idx, kv_idx, *tensors)`` or a ``Mod``; evaluated
     with PyTorch on ``device`` (default: its tensors' device, else CUDA if available, else CPU),
     vectorised over chunks of tiles. batch / heads None: the mask is the same for every batch /
-    head (evaluated at b = 0 / h = 0, stored with a dim of 1). Tiles where the mask is all False
-    are skipped, all True are full, the rest partial. Returns a BlockMask on ``device``.
+    head (evaluated at b = 0 / h = 0, stored with a dim of 1); pass None for every dim the mask
+    does not depend on (on an H200 at 16k x 16k: 5 ms for one (b, h), 1 s for 16 x 16). Tiles
+    where the mask is all False are skipped, all True are full, the rest partial. Returns a
+    BlockMask on ``device``.
     """
     mod = as_mod(mask_mod, "mask_mod")
     bm, hm = _check_optional_dim("batch", batch), _check_optional_dim("heads", heads)

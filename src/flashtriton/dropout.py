@@ -38,7 +38,9 @@ def _umulhi(a: int, b: torch.Tensor) -> torch.Tensor:
 def philox(seed: int, c0, c1, c2, c3) -> torch.Tensor:
     """First output word of Philox4x32-10 (as Triton's ``tl.philox``), elementwise; int64 tensors in [0, 2^32)."""
     k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
-    c0, c1, c2, c3 = torch.broadcast_tensors(*(torch.as_tensor(c, dtype=torch.int64) for c in (c0, c1, c2, c3)))
+    device = next((c.device for c in (c0, c1, c2, c3) if isinstance(c, torch.Tensor)), None)
+    counters = (torch.as_tensor(c, dtype=torch.int64, device=device) for c in (c0, c1, c2, c3))
+    c0, c1, c2, c3 = torch.broadcast_tensors(*counters)
     for _ in range(PHILOX_ROUNDS):
         c0, c1, c2, c3 = (
             _umulhi(_ROUND_B, c2) ^ c1 ^ k0,
