@@ -141,13 +141,7 @@ def attention_forward(
     if q.numel() == 0 or k.numel() == 0:
         # nothing to compute, or no key at all: every row is empty
         return torch.zeros_like(q), q.new_full(lse_shape(q, params.varlen), float("inf"), dtype=torch.float32)
-    backend = select_backend(q.device, q.dtype)
-    if backend is torch_backend and (params.block_mask is not None or params.score_mod is not None):
-        raise NotImplementedError(
-            "block_mask, mask_mod and score_mod run on the Triton kernels only so far: use CUDA tensors, or set "
-            "TRITON_INTERPRET=1 and FLASHTRITON_BACKEND=triton to run them on CPU in Triton's interpreter"
-        )
-    return backend.forward(q, k, v, params)
+    return select_backend(q.device, q.dtype).forward(q, k, v, params)
 
 
 @attention_forward.register_fake
@@ -212,8 +206,12 @@ def _backward(ctx, dout, dlse):
     dout = torch.zeros_like(out) if dout is None else dout
     dlse = torch.zeros_like(lse) if dlse is None else dlse
     dq, dk, dv = attention_backward(dout, dlse, q, k, v, out, lse, *ctx.flat, ctx.deterministic)
-    # no gradient for the other inputs; list inputs want a list of Nones
-    return dq, dk, dv, *([None] * len(x) if isinstance(x, list) else None for x in ctx.flat), None
+    # No gradient for the other inputs, in the structure torch flattened them to: Tensor[] (and any
+    # empty list) is a list of leaves, a non-empty int[] is one leaf.
+    nones = (
+        [None] * len(x) if isinstance(x, list) and (not x or isinstance(x[0], torch.Tensor)) else None for x in ctx.flat
+    )
+    return dq, dk, dv, *nones, None
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -72,7 +72,8 @@ def attention_reference(
     if score_mod is not None:
         batch_idx = torch.arange(scores.shape[0], device=q.device)[:, None, None, None]
         head_idx = torch.arange(heads, device=q.device)[:, None, None]
-        scores = evaluate_score(score_mod, scores, batch_idx, head_idx, rows, cols)
+        # a mod reading fp32 tensors promotes; plain attention stays in the inputs' dtype
+        scores = evaluate_score(score_mod, scores, batch_idx, head_idx, rows, cols).to(dtype)
     left, right = window_size[0], 0 if causal else window_size[1]
     visible = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device)
     if left >= 0:
