@@ -100,7 +100,8 @@ def _dkdv_tiles(
         if MASKED:
             mask = visible(rows, cols, N_Q, N_K, window_left, window_right, LEFT, RIGHT)
             if APPLY_MOD:
-                mask = mod_visible(mask, b, h, rows[:, None], cols[None, :], N_Q, N_K, MASK_TENSORS, MASK_MOD)
+                if MASK_MOD is not None:  # a layout without mask_mod lists no partial tile
+                    mask = mod_visible(mask, b, h, rows[:, None], cols[None, :], N_Q, N_K, MASK_TENSORS, MASK_MOD)
             p_t = tl.where(tl.trans(mask), p_t, 0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if DROPOUT:
@@ -248,7 +249,8 @@ def _dq_tiles(
         if MASKED:
             mask = visible(rows, cols, N_Q, N_K, window_left, window_right, LEFT, RIGHT)
             if APPLY_MOD:
-                mask = mod_visible(mask, b, h, rows[:, None], cols[None, :], N_Q, N_K, MASK_TENSORS, MASK_MOD)
+                if MASK_MOD is not None:  # a layout without mask_mod lists no partial tile
+                    mask = mod_visible(mask, b, h, rows[:, None], cols[None, :], N_Q, N_K, MASK_TENSORS, MASK_MOD)
             p = tl.where(mask, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if DROPOUT:

@@ -80,7 +80,8 @@ def _attend_tiles(
         if MASKED:
             mask = visible(rows, cols, N_Q, N_K, window_left, window_right, LEFT, RIGHT)
             if APPLY_MOD:
-                mask = mod_visible(mask, b, h, rows[:, None], cols[None, :], N_Q, N_K, MASK_TENSORS, MASK_MOD)
+                if MASK_MOD is not None:  # a layout without mask_mod lists no partial tile
+                    mask = mod_visible(mask, b, h, rows[:, None], cols[None, :], N_Q, N_K, MASK_TENSORS, MASK_MOD)
             s = tl.where(mask, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
         m_shift = m_new
