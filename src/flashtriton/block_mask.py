@@ -209,7 +209,7 @@ class BlockMask:
 
     def to(self, device: torch.device | str) -> BlockMask:
         """The same mask (tile lists and mask_mod tensors) on ``device``."""
-        lists = {name: getattr(self, name) for name in _LIST_FIELDS}
+        lists = {name: getattr(self, name) for name in LIST_FIELDS}
         moved = {name: None if t is None else t.to(device) for name, t in lists.items()}
         mask_mod = None if self.mask_mod is None else self.mask_mod.to(device)
         return BlockMask(self.seqlen_q, self.seqlen_k, self.block_size, **moved, mask_mod=mask_mod)
@@ -310,7 +310,7 @@ class BlockMask:
         )
 
 
-_LIST_FIELDS = (
+LIST_FIELDS = (
     "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices",
 )  # fmt: skip

@@ -20,15 +20,11 @@ from types import ModuleType
 import torch
 
 from . import torch_backend
-from .block_mask import BlockMask
+from .block_mask import LIST_FIELDS, BlockMask
 from .mods import Mod
 from .params import AttentionParams, lse_shape
 
 BACKEND_ENV = "FLASHTRITON_BACKEND"
-SPARSE_FIELDS = (
-    "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-    "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices",
-)  # fmt: skip
 BACKENDS = ("auto", "triton", "torch")
 
 
@@ -79,7 +75,7 @@ def _flat(p: AttentionParams, seed: torch.Tensor | None) -> tuple:
     if mask is None:
         sparse, sparse_shape, mask_mod = [], [], None
     else:
-        sparse = [getattr(mask, name) for name in SPARSE_FIELDS]
+        sparse = [getattr(mask, name) for name in LIST_FIELDS]
         sparse = [t if t is not None else mask.kv_num_blocks.new_empty(0) for t in sparse]
         sparse_shape = [mask.seqlen_q, mask.seqlen_k, *mask.block_size]
         mask_mod = mask.mask_mod
@@ -98,7 +94,7 @@ def _params(
     block_mask = None
     if sparse:
         seqlen_q, seqlen_k, block_m, block_n = sparse_shape
-        lists = {name: t if t.numel() else None for name, t in zip(SPARSE_FIELDS, sparse, strict=True)}
+        lists = {name: t if t.numel() else None for name, t in zip(LIST_FIELDS, sparse, strict=True)}
         block_mask = BlockMask(seqlen_q, seqlen_k, (block_m, block_n), **lists, mask_mod=_mod(mask_mod, mask_tensors))
     return AttentionParams(
         softmax_scale=softmax_scale, window_left=window_left, window_right=window_right, softcap=softcap,

@@ -30,6 +30,9 @@ from .common import (
     LOG2E,
     dropout_keep,
     key_range,
+    listed_count,
+    listed_keys,
+    listed_start,
     load_rows,
     load_tile,
     logits,
@@ -179,15 +182,8 @@ def attention_backward_dkdv_kernel(
             row_end = tl.cdiv(N_Q, BLOCK_M) * BLOCK_M
             col = b * stride_sb + h * stride_sh + n0 // SPARSE_BLOCK_N
             for i in tl.static_range(2):
-                if i == 0:
-                    count = tl.load(FULL_NUM + col)
-                else:
-                    count = tl.load(TILE_NUM + col)
-                for t in range(count):
-                    if i == 0:
-                        start = tl.load(FULL_IDX + col * n_tiles + t) * SPARSE_BLOCK_M
-                    else:
-                        start = tl.load(TILE_IDX + col * n_tiles + t) * SPARSE_BLOCK_M
+                for t in range(listed_count(i, FULL_NUM, TILE_NUM, col)):
+                    start = listed_start(i, t, FULL_IDX, TILE_IDX, col, n_tiles, SPARSE_BLOCK_M)
                     offset = tl.cast(start, tl.int64)
                     dk, dv = _dkdv_tiles(
                         dk, dv, k, v, q_base + offset * stride_qm, do_base + offset * stride_dom,
@@ -313,23 +309,10 @@ def attention_backward_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if SPARSE:
         # as the forward: full key tiles (split off the ragged end), then partial ones through MASK_MOD
-        n_tiles = tl.cdiv(N_K, SPARSE_BLOCK_N)
         row = b * stride_sb + h * stride_sh + m0 // SPARSE_BLOCK_M
-        even_end = N_K // BLOCK_N * BLOCK_N
         for i in tl.static_range(2):
-            if i == 0:
-                count = tl.load(FULL_NUM + row)
-            else:
-                count = tl.load(TILE_NUM + row)
-            for t in range(count):
-                if i == 0:
-                    start = tl.load(FULL_IDX + row * n_tiles + t) * SPARSE_BLOCK_N
-                else:
-                    start = tl.load(TILE_IDX + row * n_tiles + t) * SPARSE_BLOCK_N
-                end = tl.minimum(start + SPARSE_BLOCK_N, N_K)
-                mid = start
-                if i == 0:
-                    mid = tl.maximum(tl.minimum(end, even_end), start)
+            for t in range(listed_count(i, FULL_NUM, TILE_NUM, row)):
+                start, mid, end = listed_keys(i, t, FULL_IDX, TILE_IDX, row, N_K, SPARSE_BLOCK_N, BLOCK_N)
                 for j in tl.static_range(2):
                     lo, hi = stretch(j, start, mid, end, end)
                     offset = tl.cast(lo, tl.int64)

@@ -132,6 +132,39 @@ def stretch(i: tl.constexpr, lo, full_lo, full_hi, hi):
 
 
 @triton.jit
+def listed_count(i: tl.constexpr, FULL_NUM, TILE_NUM, at):
+    """How many tiles a BlockMask lists at ``at``: list 0 its full tiles, list 1 its partial ones."""
+    if i == 0:
+        return tl.load(FULL_NUM + at)
+    else:
+        return tl.load(TILE_NUM + at)
+
+
+@triton.jit
+def listed_start(i: tl.constexpr, t, FULL_IDX, TILE_IDX, at, n_tiles, SPARSE_BLOCK: tl.constexpr):
+    """First row (query or key) of the t-th tile of list i at ``at``, lists being n_tiles long."""
+    if i == 0:
+        block = tl.load(FULL_IDX + at * n_tiles + t)
+    else:
+        block = tl.load(TILE_IDX + at * n_tiles + t)
+    return block * SPARSE_BLOCK
+
+
+@triton.jit
+def listed_keys(
+    i: tl.constexpr, t, FULL_IDX, TILE_IDX, row, N_K, SPARSE_BLOCK_N: tl.constexpr, BLOCK_N: tl.constexpr
+):  # fmt: skip
+    """Keys of the t-th listed key tile of query-tile row ``row`` as start <= mid <= end: a full tile's
+    [start, mid) needs no mask and [mid, end) is its ragged end; a partial tile is all [mid, end)."""
+    start = listed_start(i, t, FULL_IDX, TILE_IDX, row, tl.cdiv(N_K, SPARSE_BLOCK_N), SPARSE_BLOCK_N)
+    end = tl.minimum(start + SPARSE_BLOCK_N, N_K)
+    mid = start
+    if i == 0:
+        mid = tl.maximum(tl.minimum(end, N_K // BLOCK_N * BLOCK_N), start)
+    return start, mid, end
+
+
+@triton.jit
 def sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, N_Q, N_K, VARLEN: tl.constexpr):
     """(first query row, first key row, N_Q, N_K) of sequence b: its slice of a packed batch under VARLEN."""
     q_start = 0

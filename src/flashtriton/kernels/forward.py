@@ -41,6 +41,8 @@ from .common import (
     LN2,
     dropout_keep,
     key_range,
+    listed_count,
+    listed_keys,
     load_tile,
     logits,
     mod_visible,
@@ -152,24 +154,10 @@ def attention_forward_kernel(
     if SPARSE:
         # this query tile's row of the block mask: full key tiles, then partial ones (any order is exact);
         # the launcher passes zero counts for absent full lists
-        n_tiles = tl.cdiv(N_K, SPARSE_BLOCK_N)
         row = b * stride_sb + h * stride_sh + m0 // SPARSE_BLOCK_M
-        even_end = N_K // BLOCK_N * BLOCK_N  # the ragged last key tile needs the bounds mask
         for i in tl.static_range(2):
-            if i == 0:
-                count = tl.load(FULL_NUM + row)
-            else:
-                count = tl.load(TILE_NUM + row)
-            for t in range(count):
-                if i == 0:
-                    block = tl.load(FULL_IDX + row * n_tiles + t)
-                else:
-                    block = tl.load(TILE_IDX + row * n_tiles + t)
-                start = block * SPARSE_BLOCK_N
-                end = tl.minimum(start + SPARSE_BLOCK_N, N_K)
-                mid = start  # partial tiles: all of [start, end) masked
-                if i == 0:
-                    mid = tl.maximum(tl.minimum(end, even_end), start)
+            for t in range(listed_count(i, FULL_NUM, TILE_NUM, row)):
+                start, mid, end = listed_keys(i, t, FULL_IDX, TILE_IDX, row, N_K, SPARSE_BLOCK_N, BLOCK_N)
                 for j in tl.static_range(2):
                     lo, hi = stretch(j, start, mid, end, end)
                     offset = tl.cast(lo, tl.int64)
