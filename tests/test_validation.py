@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashtriton
-from flashtriton import flash_attn_func, ops
+from flashtriton import flash_attn_func, ops, validation
 
 
 def qkv(q_shape=(1, 8, 4, 16), kv_shape=(1, 8, 2, 16), dtype=torch.float32):
@@ -112,6 +112,17 @@ def test_bad_varlen_input_raises_clear_error(name):
     make, error, message = VARLEN_CASES[name]
     with pytest.raises(error, match=message):
         flashtriton.flash_attn_varlen_func(*make())
+
+
+def test_reused_cu_seqlens_are_rechecked_after_an_in_place_write():
+    """cu_seqlens are read to the host once per tensor and version: a write in place must not go unseen."""
+    args = varlen()
+    validation.check_varlen(*args)  # valid: now cached
+    args[4][2] = 3  # cu_seqlens_k [0, 4, 3, 11]
+    with pytest.raises(ValueError, match=r"cu_seqlens_k\[1\] = 4 > cu_seqlens_k\[2\] = 3"):
+        validation.check_varlen(*args)
+    args[4][1:][1] = 6  # through a view of the same storage: valid again
+    validation.check_varlen(*args)
 
 
 def test_varlen_options_are_checked():

@@ -10,6 +10,7 @@ import numbers
 from itertools import pairwise
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_STEP = 8, 256, 8
@@ -128,6 +129,25 @@ def check_alibi_slopes(alibi_slopes: torch.Tensor, batch: int, nheads: int, devi
     return alibi_slopes.expand(batch, nheads).contiguous()
 
 
+# cu_seqlens already read to the host: tensor -> (its version counter then, its values)
+_HOST_VALUES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _host_values(cu: torch.Tensor) -> list[int]:
+    """cu.tolist(), synchronising only for a tensor not read before or written in place since.
+
+    torch bumps a tensor's version counter on every in-place write through torch (views included),
+    so a cached read is stale exactly when the counter moved. Writes that bypass torch (a raw
+    pointer handed to another library) are not seen: pass a fresh tensor after such a write.
+    """
+    cached = _HOST_VALUES.get(cu)
+    if cached is not None and cached[0] == cu._version:
+        return cached[1]
+    values = cu.tolist()
+    _HOST_VALUES[cu] = (cu._version, values)
+    return values
+
+
 def check_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -141,7 +161,9 @@ def check_varlen(
     cu_seqlens_q, cu_seqlens_k (batch + 1,) int32 on q's device, from 0, non-decreasing, ending at
     total_q and total_k; max_seqlen_q, max_seqlen_k ints at least the longest sequence.
 
-    Reads cu_seqlens on the host (one device sync) to check their values.
+    Reads cu_seqlens on the host to check their values: one device sync the first time a tensor is
+    seen, none while the same tensor comes back unmodified (a model's layers share one batch's
+    cu_seqlens); see _host_values.
     """
     check_tensor("q", q, 3, "(total_q, nheads, headdim)")
     check_tensor("k", k, 3, "(total_k, nheads_k, headdim)")
@@ -164,7 +186,7 @@ def check_varlen(
         ("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),
         ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k),
     ):
-        starts = cu.tolist()
+        starts = _host_values(cu)
         lengths = [b - a for a, b in pairwise(starts)]
         if starts[0] != 0:
             raise ValueError(f"{name} must start at 0 (cumulative sequence lengths), got {name}[0] = {starts[0]}")
