@@ -21,14 +21,16 @@ from flashtriton.kernels import config
 from flashtriton.reference import attention_reference
 
 FWD_CANDIDATES = [
-    config.ForwardConfig(bm, bn, w, s) for bm, bn, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
+    config.ForwardConfig(bm, bn, w, s, e)
+    for bm, bn, w, s, e in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3), (None, 1, 2))
 ]
 BWD_CANDIDATES = [
-    config.BackwardConfig(mkv, nkv, mq, nq, w, s)
-    for (mkv, nkv, mq, nq), w, s in itertools.product(
+    config.BackwardConfig(mkv, nkv, mq, nq, w, s_kv, s_q)
+    for (mkv, nkv, mq, nq), w, s_kv, s_q in itertools.product(
         ((32, 128, 128, 32), (64, 128, 128, 64), (32, 64, 64, 32), (64, 64, 64, 64), (16, 128, 128, 16)),
         (4, 8),
-        (1, 2),
+        (1, 2, 3),
+        (2, 3),
     )
 ]
 

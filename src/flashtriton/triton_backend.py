@@ -107,6 +107,18 @@ def _tile(size: int, mask: BlockMask | None, axis: int) -> int:
     return size if mask is None else math.gcd(size, mask.block_size[axis])
 
 
+def _even(n: int, block: int, p: AttentionParams) -> bool:
+    """Every sequence is a whole number of tiles (varlen lengths are known only to the kernel)."""
+    return not p.varlen and n % block == 0
+
+
+def _span(p: AttentionParams, n_k: int) -> int:
+    """The most keys one query row sees: the window's width when bounded on both sides, else n_k."""
+    if p.window_left == NO_BOUND or p.window_right == NO_BOUND:
+        return n_k
+    return min(n_k, p.window_left + p.window_right + 1)
+
+
 def _lengths(q: torch.Tensor, k: torch.Tensor, p: AttentionParams) -> tuple[int, int, int]:
     """batch and the (longest) query / key lengths of (B, N, H, D) tensors, or of a varlen batch."""
     if p.varlen:
@@ -126,7 +138,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
     out = torch.empty(q.shape, dtype=run_dtype, device=q.device)
 
     arch = config.arch_of(q.device, interpreting())
-    cfg = config.forward_config(arch, head_dim, run_dtype)
+    cfg = config.forward_config(arch, head_dim, run_dtype, _span(p, n_k))
     runtime, flags = _features(p)
     block_m, block_n = _tile(cfg.block_m, p.block_mask, 0), _tile(cfg.block_n, p.block_mask, 1)
     grid = (triton.cdiv(n_q, block_m), batch * heads)
@@ -136,8 +148,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
         *_lse_strides(lse, p.varlen),
         N_Q=n_q, N_K=n_k, qk_scale=p.softmax_scale * LOG2E, H=heads, GROUP=heads // heads_k,
         D=head_dim, BLOCK_D=config.block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
-        EVEN_M=not p.varlen and n_q % block_m == 0, DOT_PRECISION=_dot_precision(run_dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_tile_lists(p.block_mask, False), **runtime, **flags,
+        EVEN_M=_even(n_q, block_m, p), EVEN_N=_even(n_k, block_n, p), DOT_PRECISION=_dot_precision(run_dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, EDGE_STAGES=cfg.edge_stages,
+        **_tile_lists(p.block_mask, False), **runtime, **flags,
     )  # fmt: skip
     return out.view(shape).to(out_dtype), lse
 
@@ -162,14 +175,14 @@ def backward(
     batch, n_q, n_k = _lengths(q, k, p)
     heads, head_dim, heads_k = q.shape[2], q.shape[3], k.shape[2]
     arch = config.arch_of(q.device, interpreting())
-    cfg = config.backward_config(arch, head_dim, run_dtype)
+    cfg = config.backward_config(arch, head_dim, run_dtype, windowed=p.window_left != NO_BOUND)
     runtime, flags = _features(p)
     flags.update(SCORE_GRAD=p.score_mod.grad if p.score_mod else None)
     common = dict(H=heads, D=head_dim, BLOCK_D=config.block_d(head_dim))
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     kernel_args = dict(
         N_Q=n_q, N_K=n_k, qk_scale=p.softmax_scale * LOG2E, softmax_scale=p.softmax_scale, GROUP=heads // heads_k,
-        DOT_PRECISION=_dot_precision(run_dtype), **common, **runtime, **flags, **launch,
+        DOT_PRECISION=_dot_precision(run_dtype), num_warps=cfg.num_warps, EDGE_STAGES=cfg.edge_stages,
+        **common, **runtime, **flags,
     )  # fmt: skip
     lse_strides = _lse_strides(lse, p.varlen)
 
@@ -189,14 +202,14 @@ def backward(
         q, k, v, dout, lse, delta, dk, dv,
         *(s for x in (q, k, v, dout, dk, dv) for s in _strides(x, p.varlen)), *lse_strides,
         BLOCK_M=block_m, BLOCK_N=block_n,
-        EVEN_M=not p.varlen and n_q % block_m == 0, EVEN_N=not p.varlen and n_k % block_n == 0,
-        **_tile_lists(mask, transposed=True), **kernel_args,
+        EVEN_M=_even(n_q, block_m, p), EVEN_N=_even(n_k, block_n, p),
+        num_stages=cfg.stages_kv, **_tile_lists(mask, transposed=True), **kernel_args,
     )  # fmt: skip
     block_m, block_n = _tile(cfg.block_m_q, mask, 0), _tile(cfg.block_n_q, mask, 1)
     attention_backward_dq_kernel[(triton.cdiv(n_q, block_m), batch * heads)](
         q, k, v, dout, lse, delta, dq,
         *(s for x in (q, k, v, dout, dq) for s in _strides(x, p.varlen)), *lse_strides,
-        BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=not p.varlen and n_q % block_m == 0,
-        **_tile_lists(mask, transposed=False), **kernel_args,
+        BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=_even(n_q, block_m, p), EVEN_N=_even(n_k, block_n, p),
+        num_stages=cfg.stages_q, **_tile_lists(mask, transposed=False), **kernel_args,
     )  # fmt: skip
     return tuple(g.view(shape).to(grad_dtype) for g, shape in zip((dq, dk, dv), shapes, strict=True))

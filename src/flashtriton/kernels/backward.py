@@ -28,6 +28,7 @@ import triton.language as tl
 
 from .common import (
     LOG2E,
+    band_stretch,
     dropout_keep,
     key_range,
     listed_count,
@@ -77,19 +78,24 @@ def _dkdv_tiles(
     seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
     D: tl.constexpr, BLOCK_M: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
-    SCORE_GRAD: tl.constexpr, MASKED: tl.constexpr, APPLY_MOD: tl.constexpr, EVEN_M: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SCORE_GRAD: tl.constexpr, MASKED: tl.constexpr, APPLY_MOD: tl.constexpr, ROWS_IN_BOUNDS: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    """Accumulate the query tiles [lo, hi) into this key tile's dK, dV; pointers start at query lo."""
+    """Accumulate the query tiles [lo, hi) into this key tile's dK, dV; pointers start at query lo.
+
+    ROWS_IN_BOUNDS: every row is < N_Q, so the loads need no row mask (masked loads in this loop
+    cost registers the kernel does not have: 3x slower when every tile paid for them).
+    STAGES: this loop's software-pipeline depth (None: the launch's num_stages).
+    """
     PLAIN: tl.constexpr = not (SOFTCAP or ALIBI or SCORE_MOD is not None)
     CHAIN: tl.constexpr = SOFTCAP or SCORE_GRAD is not None  # dS picks up d logits / d score
-    for start_m in range(lo, hi, BLOCK_M):
+    for start_m in tl.range(lo, hi, BLOCK_M, num_stages=STAGES):
         rows = start_m + rows0
-        q = load_tile(q_ptrs, rows, N_Q, offs_d, D, EVEN_M, EVEN_D)
-        do = load_tile(do_ptrs, rows, N_Q, offs_d, D, EVEN_M, EVEN_D)
+        q = load_tile(q_ptrs, rows, N_Q, offs_d, D, ROWS_IN_BOUNDS, EVEN_D)
+        do = load_tile(do_ptrs, rows, N_Q, offs_d, D, ROWS_IN_BOUNDS, EVEN_D)
         # Rows past N_Q load LSE = +inf, so their P is 0 and they add nothing.
-        lse2 = load_rows(lse_ptrs, rows, N_Q, float("inf"), EVEN_M) * LOG2E
-        delta = load_rows(delta_ptrs, rows, N_Q, 0.0, EVEN_M)
+        lse2 = load_rows(lse_ptrs, rows, N_Q, float("inf"), ROWS_IN_BOUNDS) * LOG2E
+        delta = load_rows(delta_ptrs, rows, N_Q, 0.0, ROWS_IN_BOUNDS)
         # work transposed ([keys, queries]) so dK and dV accumulate without transposing them
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         s_scale = qk_scale
@@ -141,7 +147,7 @@ def attention_backward_dkdv_kernel(
     LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     VARLEN: tl.constexpr, SPARSE: tl.constexpr, SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, EDGE_STAGES: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_bhk = tl.program_id(1)
@@ -192,12 +198,13 @@ def attention_backward_dkdv_kernel(
                         qk_scale, softcap, slope,
                         window_left, window_right, seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
                         D, BLOCK_M, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, SCORE_GRAD,
-                        i == 1, i == 1, EVEN_M, EVEN_D, DOT_PRECISION,
+                        i == 1, i == 1, EVEN_M, EVEN_D, DOT_PRECISION, None,
                     )  # fmt: skip
         else:
-            # the band's three stretches of query tiles: lower edge (masked), whole tiles, upper edge (masked)
-            for i in tl.static_range(3):
-                start, end = stretch(i, lo, full_lo, full_hi, hi)
+            # the band's stretches of query tiles: lower edge (masked), whole tiles, upper edge (masked),
+            # ragged last tile (masked, bounds-checked; none when N_Q is a whole number of tiles)
+            for i in tl.static_range(4 - EVEN_M):
+                start, end = band_stretch(i, lo, full_lo, full_hi, hi, N_Q // BLOCK_M * BLOCK_M)
                 offset = tl.cast(start, tl.int64)
                 dk, dv = _dkdv_tiles(
                     dk, dv, k, v, q_base + offset * stride_qm, do_base + offset * stride_dom,
@@ -205,7 +212,7 @@ def attention_backward_dkdv_kernel(
                     cols, rows0, offs_d, start, end, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
                     seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
                     D, BLOCK_M, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, SCORE_GRAD,
-                    i != 1, False, EVEN_M, EVEN_D, DOT_PRECISION,
+                    i != 1, False, i != 3, EVEN_D, DOT_PRECISION, None if i == 1 else EDGE_STAGES,
                 )  # fmt: skip
 
     # S = softmax_scale * Q K^T, so dK picks up the scale once here.
@@ -223,16 +230,19 @@ def _dq_tiles(
     seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
     D: tl.constexpr, BLOCK_N: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
-    SCORE_GRAD: tl.constexpr, MASKED: tl.constexpr, APPLY_MOD: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    SCORE_GRAD: tl.constexpr, MASKED: tl.constexpr, APPLY_MOD: tl.constexpr, IN_BOUNDS: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    """Accumulate the key tiles [lo, hi) into this query tile's dQ; pointers start at key lo."""
+    """Accumulate the key tiles [lo, hi) into this query tile's dQ; pointers start at key lo.
+
+    IN_BOUNDS: every key is < N_K, so K and V load without a bounds mask. STAGES as in _dkdv_tiles.
+    """
     PLAIN: tl.constexpr = not (SOFTCAP or ALIBI or SCORE_MOD is not None)
     CHAIN: tl.constexpr = SOFTCAP or SCORE_GRAD is not None  # dS picks up d logits / d score
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
         cols = start_n + cols0
-        k = load_tile(k_ptrs, cols, N_K, offs_d, D, not MASKED, EVEN_D)
-        v = load_tile(v_ptrs, cols, N_K, offs_d, D, not MASKED, EVEN_D)
+        k = load_tile(k_ptrs, cols, N_K, offs_d, D, IN_BOUNDS, EVEN_D)
+        v = load_tile(v_ptrs, cols, N_K, offs_d, D, IN_BOUNDS, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s_scale = qk_scale
         if not PLAIN:
@@ -276,7 +286,7 @@ def attention_backward_dq_kernel(
     LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     VARLEN: tl.constexpr, SPARSE: tl.constexpr, SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
-    EVEN_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, EDGE_STAGES: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -314,26 +324,26 @@ def attention_backward_dq_kernel(
             for t in range(listed_count(i, FULL_NUM, TILE_NUM, row)):
                 start, mid, end = listed_keys(i, t, FULL_IDX, TILE_IDX, row, N_K, SPARSE_BLOCK_N, BLOCK_N)
                 for j in tl.static_range(2):
-                    lo, hi = stretch(j, start, mid, end, end)
+                    lo, hi = stretch(j, start, mid, end)
                     offset = tl.cast(lo, tl.int64)
                     dq = _dq_tiles(
                         dq, q, do, lse2, delta, k_base + offset * stride_kn, v_base + offset * stride_vn,
                         stride_kn, stride_vn, rows, cols0, offs_d, lo, hi, N_Q, N_K, qk_scale, softcap, slope,
                         window_left, window_right, seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
                         D, BLOCK_N, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, SCORE_GRAD,
-                        j == 1, i == 1, EVEN_D, DOT_PRECISION,
+                        j == 1, i == 1, j == 0, EVEN_D, DOT_PRECISION, None,
                     )  # fmt: skip
     else:
         lo, full_lo, full_hi, hi = key_range(m0, N_Q, N_K, window_left, window_right, BLOCK_M, BLOCK_N, LEFT, RIGHT)
-        for i in tl.static_range(3):
-            start, end = stretch(i, lo, full_lo, full_hi, hi)
+        for i in tl.static_range(4 - EVEN_N):  # the forward's stretches
+            start, end = band_stretch(i, lo, full_lo, full_hi, hi, N_K // BLOCK_N * BLOCK_N)
             offset = tl.cast(start, tl.int64)
             dq = _dq_tiles(
                 dq, q, do, lse2, delta, k_base + offset * stride_kn, v_base + offset * stride_vn, stride_kn, stride_vn,
                 rows, cols0, offs_d, start, end, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
                 seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
                 D, BLOCK_N, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, SCORE_GRAD,
-                i != 1, False, EVEN_D, DOT_PRECISION,
+                i != 1, False, i != 3, EVEN_D, DOT_PRECISION, None if i == 1 else EDGE_STAGES,
             )  # fmt: skip
 
     dq = dq * softmax_scale

@@ -111,24 +111,38 @@ def query_range(
 ):  # fmt: skip
     """Query tiles that see some key of the key tile [n0, n0 + BLOCK_N), as key_range does for keys.
 
-    Key j is seen by rows j - offset - window_right .. j - offset + window_left. The range runs to
-    cdiv(N_Q, BLOCK_M) * BLOCK_M: rows past N_Q are neutralised by their loads (LSE = +inf).
+    Key j is seen by rows j - offset - window_right .. j - offset + window_left. Whole tiles end at
+    or before N_Q; a ragged last query tile is an edge tile, whose rows past N_Q are neutralised by
+    their loads (LSE = +inf).
     """
     diag = n0 - (N_K - N_Q)  # the query on the diagonal of key n0
-    n_rows = tl.cdiv(N_Q, BLOCK_M) * BLOCK_M
-    lo, full_lo, full_hi, hi = _band(diag, diag + BLOCK_N - 1, n_rows, window_right, window_left, BLOCK_M, RIGHT, LEFT)
-    return lo, full_lo, full_hi, hi
+    return _band(diag, diag + BLOCK_N - 1, N_Q, window_right, window_left, BLOCK_M, RIGHT, LEFT)
 
 
 @triton.jit
-def stretch(i: tl.constexpr, lo, full_lo, full_hi, hi):
-    """[start, end) of stretch i of a band: 0 its leading edge, 1 its whole tiles, 2 its trailing edge."""
+def stretch(i: tl.constexpr, start, mid, end):
+    """[start, mid) for i == 0, [mid, end) for i == 1: a listed tile split at its ragged end."""
     if i == 0:
-        return lo, full_lo
+        return start, mid
+    else:
+        return mid, end
+
+
+@triton.jit
+def band_stretch(i: tl.constexpr, lo, full_lo, full_hi, hi, even_end):
+    """[start, end) of stretch i of a band over an axis whose whole tiles end at even_end:
+    0 the leading edge and 1 the whole tiles and 2 the trailing edge, all below even_end, so their
+    loads need no bounds mask; 3 the ragged last tile, if the band reaches it. Stretches 0, 2, 3
+    need the element mask. (A stretch whose end falls before its start is empty.)
+    """
+    if i == 0:
+        return lo, tl.minimum(full_lo, even_end)
     elif i == 1:
         return full_lo, full_hi
+    elif i == 2:
+        return full_hi, tl.minimum(hi, even_end)
     else:
-        return full_hi, hi
+        return tl.maximum(even_end, lo), hi
 
 
 @triton.jit

@@ -1,16 +1,19 @@
 """Launch parameters for every kernel, in one table.
 
-A config is looked up by (arch, head-dim bucket, dtype). ``arch`` is ``"sm90"`` for Hopper,
-``"cuda"`` for any other CUDA GPU, and ``"interpreter"`` for Triton's CPU interpreter, where tiles
-are small so that tiny test shapes still span several tiles and reach every boundary path.
-The sm90 rows for head dims <= 128 won an H200 sweep (benchmarks/NOTES.md), where causal and
-non-causal picked the same tiles, so causal is not a key. The head-dim-256 row and the table for
-other CUDA GPUs are unmeasured starting points that only fit shared memory.
+A config is looked up by (arch, head-dim bucket, dtype) and two facts about the mask: the forward
+by ``span``, the most keys one query row can see (short bands, e.g. a window of 1k or 2k-token
+documents, prefer smaller tiles: more programs per SM hide each one's start and end), the backward
+by ``windowed``, whether the band has a left bound. ``arch`` is ``"sm90"`` for Hopper, ``"cuda"``
+for any other CUDA GPU, and ``"interpreter"`` for Triton's CPU interpreter, where tiles are small so
+that tiny test shapes still span several tiles and reach every boundary path.
+The sm90 rows for head dims <= 128 won H200 sweeps (benchmarks/NOTES.md); causal and non-causal
+picked the same tiles, so causal is not a key. The head-dim-256 row and the table for other CUDA
+GPUs are unmeasured starting points that only fit shared memory.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -25,6 +28,8 @@ class ForwardConfig:
     block_n: int  # key rows per inner step
     num_warps: int
     num_stages: int
+    # pipeline depth of a band's edge loops (a few masked tiles each); None: num_stages
+    edge_stages: int | None = None
 
 
 @dataclass(frozen=True)
@@ -36,27 +41,32 @@ class BackwardConfig:
     block_m_q: int
     block_n_q: int
     num_warps: int
-    num_stages: int
+    stages_kv: int  # software-pipeline depth of the dK/dV kernel
+    stages_q: int  # and of the dQ kernel
+    edge_stages: int | None = None  # as ForwardConfig's, in both kernels
 
 
 # Rows of the preprocessing kernel (delta = rowsum(dO * O)) per program.
 PREPROCESS_BLOCK_M = 64
 
 _INTERPRETER_FORWARD = ForwardConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
-_INTERPRETER_BACKWARD = BackwardConfig(16, 16, 16, 16, num_warps=1, num_stages=1)
+_INTERPRETER_BACKWARD = BackwardConfig(16, 16, 16, 16, num_warps=1, stages_kv=1, stages_q=1)
 
 # (max head dim, forward, backward) for 2-byte dtypes; first row whose head dim fits wins.
 _SM90_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
-    (64, ForwardConfig(128, 64, 8, 3), BackwardConfig(64, 64, 64, 64, 4, 2)),
-    (128, ForwardConfig(128, 128, 8, 3), BackwardConfig(64, 128, 128, 64, 8, 2)),
-    (256, ForwardConfig(64, 64, 4, 2), BackwardConfig(32, 64, 64, 32, 4, 1)),
+    (64, ForwardConfig(128, 64, 8, 3), BackwardConfig(64, 64, 64, 64, 4, 3, 3, edge_stages=2)),
+    (128, ForwardConfig(128, 128, 8, 3, edge_stages=2), BackwardConfig(64, 128, 128, 64, 8, 3, 3, edge_stages=2)),
+    (256, ForwardConfig(64, 64, 4, 2), BackwardConfig(32, 64, 64, 32, 4, 1, 1)),
 )
+# sm90 forwards for spans up to SHORT_SPAN keys, by head dim (measured at 128 only).
+SHORT_SPAN = 2048
+_SM90_SHORT_FORWARD = {128: ForwardConfig(64, 64, 4, 3, edge_stages=1)}
 
 # Other CUDA GPUs (smaller shared memory than Hopper): conservative tiles.
 _CUDA_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
-    (64, ForwardConfig(128, 64, 4, 2), BackwardConfig(32, 64, 64, 32, 4, 2)),
-    (128, ForwardConfig(64, 64, 4, 2), BackwardConfig(32, 64, 64, 32, 4, 1)),
-    (256, ForwardConfig(64, 32, 4, 1), BackwardConfig(16, 32, 32, 16, 4, 1)),
+    (64, ForwardConfig(128, 64, 4, 2), BackwardConfig(32, 64, 64, 32, 4, 2, 2)),
+    (128, ForwardConfig(64, 64, 4, 2), BackwardConfig(32, 64, 64, 32, 4, 1, 1)),
+    (256, ForwardConfig(64, 32, 4, 1), BackwardConfig(16, 32, 32, 16, 4, 1, 1)),
 )
 
 
@@ -86,27 +96,37 @@ def _halve_for_fp32(cfg, dtype: torch.dtype):
     if dtype != torch.float32:
         return cfg
     if isinstance(cfg, ForwardConfig):
-        return ForwardConfig(cfg.block_m, max(MIN_BLOCK, cfg.block_n // 2), cfg.num_warps, 1)
+        return ForwardConfig(cfg.block_m, max(MIN_BLOCK, cfg.block_n // 2), cfg.num_warps, 1, 1)
     return BackwardConfig(
         max(MIN_BLOCK, cfg.block_m_kv // 2),
         cfg.block_n_kv,
         cfg.block_m_q,
         max(MIN_BLOCK, cfg.block_n_q // 2),
         cfg.num_warps,
-        1,
+        stages_kv=1,
+        stages_q=1,
+        edge_stages=1,
     )
 
 
-def forward_config(arch: str, head_dim: int, dtype: torch.dtype) -> ForwardConfig:
+def forward_config(arch: str, head_dim: int, dtype: torch.dtype, span: int) -> ForwardConfig:
     if arch == "interpreter":
         return _INTERPRETER_FORWARD
-    return _halve_for_fp32(_row(arch, head_dim)[1], dtype)
+    bucket, cfg, _ = _row(arch, head_dim)
+    if arch == "sm90" and span <= SHORT_SPAN:
+        cfg = _SM90_SHORT_FORWARD.get(bucket, cfg)
+    return _halve_for_fp32(cfg, dtype)
 
 
-def backward_config(arch: str, head_dim: int, dtype: torch.dtype) -> BackwardConfig:
+def backward_config(arch: str, head_dim: int, dtype: torch.dtype, windowed: bool) -> BackwardConfig:
     if arch == "interpreter":
         return _INTERPRETER_BACKWARD
-    return _halve_for_fp32(_row(arch, head_dim)[2], dtype)
+    cfg = _row(arch, head_dim)[2]
+    if arch == "sm90" and windowed:
+        # A left bound adds the dK/dV kernel's second edge loop; at 3 stages it then spills
+        # (window 1024, d128: 2.9 ms against 1.1 at 2 stages).
+        cfg = replace(cfg, stages_kv=min(cfg.stages_kv, 2), edge_stages=None)
+    return _halve_for_fp32(cfg, dtype)
 
 
 # Tiles of the PyTorch (CPU) path: large enough for efficient matmuls, small enough that the

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from .common import (
     LN2,
+    band_stretch,
     dropout_keep,
     key_range,
     listed_count,
@@ -60,17 +61,20 @@ def _attend_tiles(
     seed, threshold, b, h, MASK_TENSORS, SCORE_TENSORS,
     D: tl.constexpr, BLOCK_N: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
-    MASKED: tl.constexpr, APPLY_MOD: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, APPLY_MOD: tl.constexpr, IN_BOUNDS: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """Fold key tiles [lo, hi) into the running (acc, l_i, m_i); pointers start at key lo.
 
-    MASKED tiles get the bounds and window mask and, with APPLY_MOD, the user's MASK_MOD.
+    MASKED tiles get the bounds and window mask and, with APPLY_MOD, the user's MASK_MOD;
+    IN_BOUNDS: every key is < N_K, so K and V load without a bounds mask. STAGES: this loop's
+    software-pipeline depth (None: the launch's num_stages).
     """
     # Plain scores stay raw and take qk_scale inside the exp2's FMA; modified ones arrive in base 2.
     PLAIN: tl.constexpr = not (SOFTCAP or ALIBI or SCORE_MOD is not None)
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
         cols = start_n + cols0
-        k = load_tile(k_ptrs, cols, N_K, offs_d, D, not MASKED, EVEN_D)
+        k = load_tile(k_ptrs, cols, N_K, offs_d, D, IN_BOUNDS, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s_scale = qk_scale
         if not PLAIN:
@@ -98,7 +102,7 @@ def _attend_tiles(
         if DROPOUT:
             # the softmax sum above is of the undropped P; only the product with V sees the mask
             p = tl.where(dropout_keep(seed, b, h, rows[:, None], cols[None, :], threshold), p, 0.0)
-        v = load_tile(v_ptrs, cols, N_K, offs_d, D, not MASKED, EVEN_D)
+        v = load_tile(v_ptrs, cols, N_K, offs_d, D, IN_BOUNDS, EVEN_D)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
@@ -120,7 +124,8 @@ def attention_forward_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     VARLEN: tl.constexpr, SPARSE: tl.constexpr, SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
-    MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, EVEN_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EDGE_STAGES: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -159,27 +164,28 @@ def attention_forward_kernel(
             for t in range(listed_count(i, FULL_NUM, TILE_NUM, row)):
                 start, mid, end = listed_keys(i, t, FULL_IDX, TILE_IDX, row, N_K, SPARSE_BLOCK_N, BLOCK_N)
                 for j in tl.static_range(2):
-                    lo, hi = stretch(j, start, mid, end, end)
+                    lo, hi = stretch(j, start, mid, end)
                     offset = tl.cast(lo, tl.int64)
                     acc, l_i, m_i = _attend_tiles(
                         acc, l_i, m_i, q, k_base + offset * stride_kn, v_base + offset * stride_vn,
                         stride_kn, stride_vn, rows, cols0, offs_d, lo, hi, N_Q, N_K, qk_scale, softcap, slope,
                         window_left, window_right, seed, threshold, b, h, MASK_TENSORS, SCORE_TENSORS,
                         D, BLOCK_N, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD,
-                        j == 1, i == 1, EVEN_D, DOT_PRECISION,
+                        j == 1, i == 1, j == 0, EVEN_D, DOT_PRECISION, None,
                     )  # fmt: skip
     else:
         lo, full_lo, full_hi, hi = key_range(m0, N_Q, N_K, window_left, window_right, BLOCK_M, BLOCK_N, LEFT, RIGHT)
-        # the band's three stretches: left edge (masked), whole tiles, right edge and ragged end (masked)
-        for i in tl.static_range(3):
-            start, end = stretch(i, lo, full_lo, full_hi, hi)
+        # the band's stretches: left edge (masked), whole tiles, right edge (masked), ragged last tile
+        # (masked, bounds-checked; none when N_K is a whole number of tiles)
+        for i in tl.static_range(4 - EVEN_N):
+            start, end = band_stretch(i, lo, full_lo, full_hi, hi, N_K // BLOCK_N * BLOCK_N)
             offset = tl.cast(start, tl.int64)
             acc, l_i, m_i = _attend_tiles(
                 acc, l_i, m_i, q, k_base + offset * stride_kn, v_base + offset * stride_vn, stride_kn, stride_vn,
                 rows, cols0, offs_d, start, end, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
                 seed, threshold, b, h, MASK_TENSORS, SCORE_TENSORS,
-                D, BLOCK_N, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, i != 1, False, EVEN_D,
-                DOT_PRECISION,
+                D, BLOCK_N, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, i != 1, False, i != 3, EVEN_D,
+                DOT_PRECISION, None if i == 1 else EDGE_STAGES,
             )  # fmt: skip
 
     # epilogue: normalise once; rows that saw no key get O = 0 and LSE = +inf
