@@ -112,10 +112,13 @@ def _even(n: int, block: int, p: AttentionParams) -> bool:
     return not p.varlen and n % block == 0
 
 
-def _span(p: AttentionParams, n_k: int) -> int:
-    """The most keys one query row sees: the window's width when bounded on both sides, else n_k."""
-    if p.window_left == NO_BOUND or p.window_right == NO_BOUND:
+def _span(p: AttentionParams, n_q: int, n_k: int) -> int:
+    """About how many keys a query row sees: the window's width when bounded on both sides; half
+    the keys under a causal-like bound (right only, rows aligned bottom-right); else all n_k."""
+    if p.window_right == NO_BOUND:
         return n_k
+    if p.window_left == NO_BOUND:
+        return n_k - min(n_q, n_k) // 2
     return min(n_k, p.window_left + p.window_right + 1)
 
 
@@ -138,7 +141,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
     out = torch.empty(q.shape, dtype=run_dtype, device=q.device)
 
     arch = config.arch_of(q.device, interpreting())
-    cfg = config.forward_config(arch, head_dim, run_dtype, _span(p, n_k))
+    cfg = config.forward_config(arch, head_dim, run_dtype, _span(p, n_q, n_k))
     runtime, flags = _features(p)
     block_m, block_n = _tile(cfg.block_m, p.block_mask, 0), _tile(cfg.block_n, p.block_mask, 1)
     grid = (triton.cdiv(n_q, block_m), batch * heads)
@@ -175,7 +178,7 @@ def backward(
     batch, n_q, n_k = _lengths(q, k, p)
     heads, head_dim, heads_k = q.shape[2], q.shape[3], k.shape[2]
     arch = config.arch_of(q.device, interpreting())
-    cfg = config.backward_config(arch, head_dim, run_dtype, windowed=p.window_left != NO_BOUND)
+    cfg = config.backward_config(arch, head_dim, run_dtype, p.window_left != NO_BOUND, max(n_q, n_k))
     runtime, flags = _features(p)
     flags.update(SCORE_GRAD=p.score_mod.grad if p.score_mod else None)
     common = dict(H=heads, D=head_dim, BLOCK_D=config.block_d(head_dim))

@@ -1,11 +1,12 @@
 """Launch parameters for every kernel, in one table.
 
-A config is looked up by (arch, head-dim bucket, dtype) and two facts about the mask: the forward
-by ``span``, the most keys one query row can see (short bands, e.g. a window of 1k or 2k-token
-documents, prefer smaller tiles: more programs per SM hide each one's start and end), the backward
-by ``windowed``, whether the band has a left bound. ``arch`` is ``"sm90"`` for Hopper, ``"cuda"``
-for any other CUDA GPU, and ``"interpreter"`` for Triton's CPU interpreter, where tiles are small so
-that tiny test shapes still span several tiles and reach every boundary path.
+A config is looked up by (arch, head-dim bucket, dtype) and the length of its loops: the forward
+by ``span``, about how many keys a query row sees (short bands, e.g. a window of 1k or 2k-token
+causal documents, prefer smaller tiles: more programs per SM hide each one's start and end), the
+backward by ``windowed`` (the band has a left bound) and ``seqlen`` (the longer sequence).
+``arch`` is ``"sm90"`` for Hopper, ``"cuda"`` for any other CUDA GPU, and ``"interpreter"`` for
+Triton's CPU interpreter, where tiles are small so that tiny test shapes still span several tiles
+and reach every boundary path.
 The sm90 rows for head dims <= 128 won H200 sweeps (benchmarks/NOTES.md); causal and non-causal
 picked the same tiles, so causal is not a key. The head-dim-256 row and the table for other CUDA
 GPUs are unmeasured starting points that only fit shared memory.
@@ -58,8 +59,12 @@ _SM90_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
     (128, ForwardConfig(128, 128, 8, 3, edge_stages=2), BackwardConfig(64, 128, 128, 64, 8, 3, 3, edge_stages=2)),
     (256, ForwardConfig(64, 64, 4, 2), BackwardConfig(32, 64, 64, 32, 4, 1, 1)),
 )
-# sm90 forwards for spans up to SHORT_SPAN keys, by head dim (measured at 128 only).
-SHORT_SPAN = 2048
+# sm90 forwards for spans up to SHORT_SPAN keys, by head dim (measured at 128 only: better at spans
+# of 256..1025, level at 1024, worse at 2048; the threshold lies between).
+SHORT_SPAN = 1536
+# sm90 backwards for sequences up to SHORT_SEQLEN keep two stages (measured: 3 stages lose 10-35% at
+# N = 512, gain from N = 1024).
+SHORT_SEQLEN = 512
 _SM90_SHORT_FORWARD = {128: ForwardConfig(64, 64, 4, 3, edge_stages=1)}
 
 # Other CUDA GPUs (smaller shared memory than Hopper): conservative tiles.
@@ -118,11 +123,13 @@ def forward_config(arch: str, head_dim: int, dtype: torch.dtype, span: int) -> F
     return _halve_for_fp32(cfg, dtype)
 
 
-def backward_config(arch: str, head_dim: int, dtype: torch.dtype, windowed: bool) -> BackwardConfig:
+def backward_config(arch: str, head_dim: int, dtype: torch.dtype, windowed: bool, seqlen: int) -> BackwardConfig:
     if arch == "interpreter":
         return _INTERPRETER_BACKWARD
     cfg = _row(arch, head_dim)[2]
-    if arch == "sm90" and windowed:
+    if arch == "sm90" and seqlen <= SHORT_SEQLEN:
+        cfg = replace(cfg, stages_kv=min(cfg.stages_kv, 2), stages_q=min(cfg.stages_q, 2), edge_stages=None)
+    elif arch == "sm90" and windowed:
         # A left bound adds the dK/dV kernel's second edge loop; at 3 stages it then spills
         # (window 1024, d128: 2.9 ms against 1.1 at 2 stages).
         cfg = replace(cfg, stages_kv=min(cfg.stages_kv, 2), edge_stages=None)
