@@ -112,6 +112,11 @@ def _even(n: int, block: int, p: AttentionParams) -> bool:
     return not p.varlen and n % block == 0
 
 
+def _sparse_block(size: int, mask: BlockMask | None, axis: int) -> int:
+    """The tile a kernel walks along an axis as a unit: the block mask's, if any (for EVEN_*)."""
+    return size if mask is None else mask.block_size[axis]
+
+
 def _span(p: AttentionParams, n_q: int, n_k: int) -> int:
     """About how many keys a query row sees: the window's width when bounded on both sides; half
     the keys under a causal-like bound (right only, rows aligned bottom-right); else all n_k."""
@@ -151,7 +156,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
         *_lse_strides(lse, p.varlen),
         N_Q=n_q, N_K=n_k, qk_scale=p.softmax_scale * LOG2E, H=heads, GROUP=heads // heads_k,
         D=head_dim, BLOCK_D=config.block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
-        EVEN_M=_even(n_q, block_m, p), EVEN_N=_even(n_k, block_n, p), DOT_PRECISION=_dot_precision(run_dtype),
+        EVEN_M=_even(n_q, block_m, p), EVEN_N=_even(n_k, _sparse_block(block_n, p.block_mask, 1), p),
+        DOT_PRECISION=_dot_precision(run_dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, EDGE_STAGES=cfg.edge_stages,
         **_tile_lists(p.block_mask, False), **runtime, **flags,
     )  # fmt: skip
@@ -205,14 +211,15 @@ def backward(
         q, k, v, dout, lse, delta, dk, dv,
         *(s for x in (q, k, v, dout, dk, dv) for s in _strides(x, p.varlen)), *lse_strides,
         BLOCK_M=block_m, BLOCK_N=block_n,
-        EVEN_M=_even(n_q, block_m, p), EVEN_N=_even(n_k, block_n, p),
+        EVEN_M=_even(n_q, _sparse_block(block_m, mask, 0), p), EVEN_N=_even(n_k, block_n, p),
         num_stages=cfg.stages_kv, **_tile_lists(mask, transposed=True), **kernel_args,
     )  # fmt: skip
     block_m, block_n = _tile(cfg.block_m_q, mask, 0), _tile(cfg.block_n_q, mask, 1)
     attention_backward_dq_kernel[(triton.cdiv(n_q, block_m), batch * heads)](
         q, k, v, dout, lse, delta, dq,
         *(s for x in (q, k, v, dout, dq) for s in _strides(x, p.varlen)), *lse_strides,
-        BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=_even(n_q, block_m, p), EVEN_N=_even(n_k, block_n, p),
+        BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=_even(n_q, block_m, p),
+        EVEN_N=_even(n_k, _sparse_block(block_n, mask, 1), p),
         num_stages=cfg.stages_q, **_tile_lists(mask, transposed=False), **kernel_args,
     )  # fmt: skip
     return tuple(g.view(shape).to(grad_dtype) for g, shape in zip((dq, dk, dv), shapes, strict=True))

@@ -31,9 +31,7 @@ from .common import (
     band_stretch,
     dropout_keep,
     key_range,
-    listed_count,
-    listed_keys,
-    listed_start,
+    listed,
     load_rows,
     load_tile,
     logits,
@@ -41,7 +39,7 @@ from .common import (
     query_range,
     sequence,
     store_tile,
-    stretch,
+    tile_start,
     visible,
 )
 
@@ -79,9 +77,10 @@ def _dkdv_tiles(
     D: tl.constexpr, BLOCK_M: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
     SCORE_GRAD: tl.constexpr, MASKED: tl.constexpr, APPLY_MOD: tl.constexpr, ROWS_IN_BOUNDS: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, LIST=None, SUB: tl.constexpr = 1,
 ):  # fmt: skip
-    """Accumulate the query tiles [lo, hi) into this key tile's dK, dV; pointers start at query lo.
+    """Accumulate query tiles into this key tile's dK, dV: the band [lo, hi) from pointers at query lo,
+    or the BlockMask tiles LIST[lo:hi] (SUB tiles of BLOCK_M queries each) from query 0.
 
     ROWS_IN_BOUNDS: every row is < N_Q, so the loads need no row mask (masked loads in this loop
     cost registers the kernel does not have: 3x slower when every tile paid for them).
@@ -89,44 +88,73 @@ def _dkdv_tiles(
     """
     PLAIN: tl.constexpr = not (SOFTCAP or ALIBI or SCORE_MOD is not None)
     CHAIN: tl.constexpr = SOFTCAP or SCORE_GRAD is not None  # dS picks up d logits / d score
-    for start_m in tl.range(lo, hi, BLOCK_M, num_stages=STAGES):
-        rows = start_m + rows0
-        q = load_tile(q_ptrs, rows, N_Q, offs_d, D, ROWS_IN_BOUNDS, EVEN_D)
-        do = load_tile(do_ptrs, rows, N_Q, offs_d, D, ROWS_IN_BOUNDS, EVEN_D)
-        # Rows past N_Q load LSE = +inf, so their P is 0 and they add nothing.
-        lse2 = load_rows(lse_ptrs, rows, N_Q, float("inf"), ROWS_IN_BOUNDS) * LOG2E
-        delta = load_rows(delta_ptrs, rows, N_Q, 0.0, ROWS_IN_BOUNDS)
-        # work transposed ([keys, queries]) so dK and dV accumulate without transposing them
-        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-        s_scale = qk_scale
-        if not PLAIN:
-            s_t, deriv_t = logits(
-                s_t, rows[None, :], cols[:, None], N_K - N_Q, qk_scale, softcap, slope, b, h, N_Q, N_K,
-                SCORE_TENSORS, SOFTCAP, ALIBI, SCORE_MOD, SCORE_GRAD,
-            )  # fmt: skip
-            s_scale = 1.0
-        p_t = tl.math.exp2(s_t * s_scale - lse2[None, :])
-        if MASKED:
-            mask = visible(rows, cols, N_Q, N_K, window_left, window_right, LEFT, RIGHT)
-            if APPLY_MOD:
-                if MASK_MOD is not None:  # a layout without mask_mod lists no partial tile
-                    mask = mod_visible(mask, b, h, rows[:, None], cols[None, :], N_Q, N_K, MASK_TENSORS, MASK_MOD)
-            p_t = tl.where(tl.trans(mask), p_t, 0.0)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        if DROPOUT:
-            keep_t = dropout_keep(seed, b, h, rows[None, :], cols[:, None], threshold)
-            dv = tl.dot(tl.where(keep_t, p_t * dropout_scale, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-            dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
-        else:
-            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        if CHAIN:
-            ds_t = ds_t * deriv_t
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-        q_ptrs += BLOCK_M * stride_qm
-        do_ptrs += BLOCK_M * stride_dom
-        lse_ptrs += BLOCK_M
-        delta_ptrs += BLOCK_M
+    STEP: tl.constexpr = BLOCK_M if LIST is None else 1
+    for it in tl.range(lo * SUB, hi * SUB, STEP, num_stages=STAGES):
+        dk, dv = _dkdv_tile(
+            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
+            tile_start(it, LIST, BLOCK_M, SUB), cols, rows0, offs_d, N_Q, N_K, qk_scale, softcap, slope,
+            window_left, window_right, seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
+            D, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, SCORE_GRAD, MASKED, APPLY_MOD,
+            ROWS_IN_BOUNDS, EVEN_D, DOT_PRECISION, PLAIN, CHAIN, LIST is not None,
+        )  # fmt: skip
+        if LIST is None:
+            q_ptrs += BLOCK_M * stride_qm
+            do_ptrs += BLOCK_M * stride_dom
+            lse_ptrs += BLOCK_M
+            delta_ptrs += BLOCK_M
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_tile(
+    dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom, start_m,
+    cols, rows0, offs_d, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
+    seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
+    D: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+    SCORE_GRAD: tl.constexpr, MASKED: tl.constexpr, APPLY_MOD: tl.constexpr, ROWS_IN_BOUNDS: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PLAIN: tl.constexpr, CHAIN: tl.constexpr,
+    OFFSET: tl.constexpr,
+):  # fmt: skip
+    """One query tile at start_m (pointers at start_m, or at query 0 with OFFSET) of _dkdv_tiles."""
+    if OFFSET:
+        q_ptrs += start_m.to(tl.int64) * stride_qm
+        do_ptrs += start_m.to(tl.int64) * stride_dom
+        lse_ptrs += start_m
+        delta_ptrs += start_m
+    rows = start_m + rows0
+    q = load_tile(q_ptrs, rows, N_Q, offs_d, D, ROWS_IN_BOUNDS, EVEN_D)
+    do = load_tile(do_ptrs, rows, N_Q, offs_d, D, ROWS_IN_BOUNDS, EVEN_D)
+    # Rows past N_Q load LSE = +inf, so their P is 0 and they add nothing.
+    lse2 = load_rows(lse_ptrs, rows, N_Q, float("inf"), ROWS_IN_BOUNDS) * LOG2E
+    delta = load_rows(delta_ptrs, rows, N_Q, 0.0, ROWS_IN_BOUNDS)
+    # work transposed ([keys, queries]) so dK and dV accumulate without transposing them
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+    s_scale = qk_scale
+    if not PLAIN:
+        s_t, deriv_t = logits(
+            s_t, rows[None, :], cols[:, None], N_K - N_Q, qk_scale, softcap, slope, b, h, N_Q, N_K,
+            SCORE_TENSORS, SOFTCAP, ALIBI, SCORE_MOD, SCORE_GRAD,
+        )  # fmt: skip
+        s_scale = 1.0
+    p_t = tl.math.exp2(s_t * s_scale - lse2[None, :])
+    if MASKED:
+        mask = visible(rows, cols, N_Q, N_K, window_left, window_right, LEFT, RIGHT)
+        if APPLY_MOD:
+            if MASK_MOD is not None:  # a layout without mask_mod lists no partial tile
+                mask = mod_visible(mask, b, h, rows[:, None], cols[None, :], N_Q, N_K, MASK_TENSORS, MASK_MOD)
+        p_t = tl.where(tl.trans(mask), p_t, 0.0)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    if DROPOUT:
+        keep_t = dropout_keep(seed, b, h, rows[None, :], cols[:, None], threshold)
+        dv = tl.dot(tl.where(keep_t, p_t * dropout_scale, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
+    else:
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    if CHAIN:
+        ds_t = ds_t * deriv_t
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -183,23 +211,17 @@ def attention_backward_dkdv_kernel(
         row_base = b * stride_lb + h * stride_lh + q_start + rows0
         if SPARSE:
             # this key tile's column of the block mask: full query tiles (unmasked: rows past N_Q are
-            # neutralised by their loads), then partial ones through MASK_MOD
-            n_tiles = tl.cdiv(N_Q, SPARSE_BLOCK_M)
-            row_end = tl.cdiv(N_Q, BLOCK_M) * BLOCK_M
+            # neutralised by their loads; EVEN_M is then about SPARSE_BLOCK_M), then partial ones through MASK_MOD
             col = b * stride_sb + h * stride_sh + n0 // SPARSE_BLOCK_N
             for i in tl.static_range(2):
-                for t in range(listed_count(i, FULL_NUM, TILE_NUM, col)):
-                    start = listed_start(i, t, FULL_IDX, TILE_IDX, col, n_tiles, SPARSE_BLOCK_M)
-                    offset = tl.cast(start, tl.int64)
-                    dk, dv = _dkdv_tiles(
-                        dk, dv, k, v, q_base + offset * stride_qm, do_base + offset * stride_dom,
-                        LSE + row_base + offset, DELTA + row_base + offset, stride_qm, stride_dom,
-                        cols, rows0, offs_d, start, tl.minimum(start + SPARSE_BLOCK_M, row_end), N_Q, N_K,
-                        qk_scale, softcap, slope,
-                        window_left, window_right, seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
-                        D, BLOCK_M, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, SCORE_GRAD,
-                        i == 1, i == 1, EVEN_M, EVEN_D, DOT_PRECISION, None,
-                    )  # fmt: skip
+                tiles, count = listed(i, FULL_NUM, FULL_IDX, TILE_NUM, TILE_IDX, col, tl.cdiv(N_Q, SPARSE_BLOCK_M))
+                dk, dv = _dkdv_tiles(
+                    dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, stride_qm, stride_dom,
+                    cols, rows0, offs_d, 0, count, N_Q, N_K, qk_scale, softcap, slope,
+                    window_left, window_right, seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
+                    D, BLOCK_M, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, SCORE_GRAD,
+                    i == 1, i == 1, EVEN_M, EVEN_D, DOT_PRECISION, None, tiles, SPARSE_BLOCK_M // BLOCK_M,
+                )  # fmt: skip
         else:
             # the band's stretches of query tiles: lower edge (masked), whole tiles, upper edge (masked),
             # ragged last tile (masked, bounds-checked; none when N_Q is a whole number of tiles)
@@ -231,42 +253,70 @@ def _dq_tiles(
     D: tl.constexpr, BLOCK_N: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
     SCORE_GRAD: tl.constexpr, MASKED: tl.constexpr, APPLY_MOD: tl.constexpr, IN_BOUNDS: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, LIST=None, SUB: tl.constexpr = 1,
 ):  # fmt: skip
-    """Accumulate the key tiles [lo, hi) into this query tile's dQ; pointers start at key lo.
+    """Accumulate key tiles into this query tile's dQ, walked as the forward's _attend_tiles walks them
+    (a band [lo, hi) from pointers at key lo, or the BlockMask tiles LIST[lo:hi] from key 0).
 
     IN_BOUNDS: every key is < N_K, so K and V load without a bounds mask. STAGES as in _dkdv_tiles.
     """
     PLAIN: tl.constexpr = not (SOFTCAP or ALIBI or SCORE_MOD is not None)
     CHAIN: tl.constexpr = SOFTCAP or SCORE_GRAD is not None  # dS picks up d logits / d score
-    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
-        cols = start_n + cols0
-        k = load_tile(k_ptrs, cols, N_K, offs_d, D, IN_BOUNDS, EVEN_D)
-        v = load_tile(v_ptrs, cols, N_K, offs_d, D, IN_BOUNDS, EVEN_D)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        s_scale = qk_scale
-        if not PLAIN:
-            s, deriv = logits(
-                s, rows[:, None], cols[None, :], N_K - N_Q, qk_scale, softcap, slope, b, h, N_Q, N_K, SCORE_TENSORS,
-                SOFTCAP, ALIBI, SCORE_MOD, SCORE_GRAD,
-            )  # fmt: skip
-            s_scale = 1.0
-        p = tl.math.exp2(s * s_scale - lse2[:, None])
-        if MASKED:
-            mask = visible(rows, cols, N_Q, N_K, window_left, window_right, LEFT, RIGHT)
-            if APPLY_MOD:
-                if MASK_MOD is not None:  # a layout without mask_mod lists no partial tile
-                    mask = mod_visible(mask, b, h, rows[:, None], cols[None, :], N_Q, N_K, MASK_TENSORS, MASK_MOD)
-            p = tl.where(mask, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        if DROPOUT:
-            dp = tl.where(dropout_keep(seed, b, h, rows[:, None], cols[None, :], threshold), dp * dropout_scale, 0.0)
-        ds = p * (dp - delta[:, None])
-        if CHAIN:
-            ds = ds * deriv
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+    STEP: tl.constexpr = BLOCK_N if LIST is None else 1
+    for it in tl.range(lo * SUB, hi * SUB, STEP, num_stages=STAGES):
+        dq = _dq_tile(
+            dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, tile_start(it, LIST, BLOCK_N, SUB),
+            rows, cols0, offs_d, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
+            seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
+            D, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, SCORE_GRAD, MASKED, APPLY_MOD,
+            IN_BOUNDS, EVEN_D, DOT_PRECISION, PLAIN, CHAIN, LIST is not None,
+        )  # fmt: skip
+        if LIST is None:
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
+    return dq
+
+
+@triton.jit
+def _dq_tile(
+    dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_n,
+    rows, cols0, offs_d, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
+    seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
+    D: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+    SCORE_GRAD: tl.constexpr, MASKED: tl.constexpr, APPLY_MOD: tl.constexpr, IN_BOUNDS: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PLAIN: tl.constexpr, CHAIN: tl.constexpr,
+    OFFSET: tl.constexpr,
+):  # fmt: skip
+    """One key tile at start_n (pointers at start_n, or at key 0 with OFFSET) of _dq_tiles."""
+    if OFFSET:
+        k_ptrs += start_n.to(tl.int64) * stride_kn
+        v_ptrs += start_n.to(tl.int64) * stride_vn
+    cols = start_n + cols0
+    k = load_tile(k_ptrs, cols, N_K, offs_d, D, IN_BOUNDS, EVEN_D)
+    v = load_tile(v_ptrs, cols, N_K, offs_d, D, IN_BOUNDS, EVEN_D)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    s_scale = qk_scale
+    if not PLAIN:
+        s, deriv = logits(
+            s, rows[:, None], cols[None, :], N_K - N_Q, qk_scale, softcap, slope, b, h, N_Q, N_K, SCORE_TENSORS,
+            SOFTCAP, ALIBI, SCORE_MOD, SCORE_GRAD,
+        )  # fmt: skip
+        s_scale = 1.0
+    p = tl.math.exp2(s * s_scale - lse2[:, None])
+    if MASKED:
+        mask = visible(rows, cols, N_Q, N_K, window_left, window_right, LEFT, RIGHT)
+        if APPLY_MOD:
+            if MASK_MOD is not None:  # a layout without mask_mod lists no partial tile
+                mask = mod_visible(mask, b, h, rows[:, None], cols[None, :], N_Q, N_K, MASK_TENSORS, MASK_MOD)
+        p = tl.where(mask, p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    if DROPOUT:
+        dp = tl.where(dropout_keep(seed, b, h, rows[:, None], cols[None, :], threshold), dp * dropout_scale, 0.0)
+    ds = p * (dp - delta[:, None])
+    if CHAIN:
+        ds = ds * deriv
+    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
@@ -318,21 +368,17 @@ def attention_backward_dq_kernel(
     v_base = V + b * stride_vb + hk * stride_vh + (k_start + cols0[:, None]) * stride_vn + offs_d[None, :]
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if SPARSE:
-        # as the forward: full key tiles (split off the ragged end), then partial ones through MASK_MOD
+        # as the forward: full key tiles, then partial ones through MASK_MOD
         row = b * stride_sb + h * stride_sh + m0 // SPARSE_BLOCK_M
         for i in tl.static_range(2):
-            for t in range(listed_count(i, FULL_NUM, TILE_NUM, row)):
-                start, mid, end = listed_keys(i, t, FULL_IDX, TILE_IDX, row, N_K, SPARSE_BLOCK_N, BLOCK_N)
-                for j in tl.static_range(2):
-                    lo, hi = stretch(j, start, mid, end)
-                    offset = tl.cast(lo, tl.int64)
-                    dq = _dq_tiles(
-                        dq, q, do, lse2, delta, k_base + offset * stride_kn, v_base + offset * stride_vn,
-                        stride_kn, stride_vn, rows, cols0, offs_d, lo, hi, N_Q, N_K, qk_scale, softcap, slope,
-                        window_left, window_right, seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
-                        D, BLOCK_N, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, SCORE_GRAD,
-                        j == 1, i == 1, j == 0, EVEN_D, DOT_PRECISION, None,
-                    )  # fmt: skip
+            tiles, count = listed(i, FULL_NUM, FULL_IDX, TILE_NUM, TILE_IDX, row, tl.cdiv(N_K, SPARSE_BLOCK_N))
+            dq = _dq_tiles(
+                dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, cols0, offs_d, 0, count,
+                N_Q, N_K, qk_scale, softcap, slope, window_left, window_right, seed, threshold, dropout_scale,
+                b, h, MASK_TENSORS, SCORE_TENSORS, D, BLOCK_N, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD,
+                SCORE_MOD, SCORE_GRAD, i == 1 or not EVEN_N, i == 1, EVEN_N, EVEN_D, DOT_PRECISION, None,
+                tiles, SPARSE_BLOCK_N // BLOCK_N,
+            )  # fmt: skip
     else:
         lo, full_lo, full_hi, hi = key_range(m0, N_Q, N_K, window_left, window_right, BLOCK_M, BLOCK_N, LEFT, RIGHT)
         for i in tl.static_range(4 - EVEN_N):  # the forward's stretches

@@ -120,15 +120,6 @@ def query_range(
 
 
 @triton.jit
-def stretch(i: tl.constexpr, start, mid, end):
-    """[start, mid) for i == 0, [mid, end) for i == 1: a listed tile split at its ragged end."""
-    if i == 0:
-        return start, mid
-    else:
-        return mid, end
-
-
-@triton.jit
 def band_stretch(i: tl.constexpr, lo, full_lo, full_hi, hi, even_end):
     """[start, end) of stretch i of a band over an axis whose whole tiles end at even_end:
     0 the leading edge and 1 the whole tiles and 2 the trailing edge, all below even_end, so their
@@ -146,36 +137,24 @@ def band_stretch(i: tl.constexpr, lo, full_lo, full_hi, hi, even_end):
 
 
 @triton.jit
-def listed_count(i: tl.constexpr, FULL_NUM, TILE_NUM, at):
-    """How many tiles a BlockMask lists at ``at``: list 0 its full tiles, list 1 its partial ones."""
+def listed(i: tl.constexpr, FULL_NUM, FULL_IDX, TILE_NUM, TILE_IDX, at, n_tiles):
+    """A BlockMask's list i at ``at`` (a query tile's row, or transposed a key tile's column), as
+    (pointer to its tile indices, their count): list 0 the full tiles, list 1 the partial ones."""
     if i == 0:
-        return tl.load(FULL_NUM + at)
+        return FULL_IDX + at * n_tiles, tl.load(FULL_NUM + at)
     else:
-        return tl.load(TILE_NUM + at)
+        return TILE_IDX + at * n_tiles, tl.load(TILE_NUM + at)
 
 
 @triton.jit
-def listed_start(i: tl.constexpr, t, FULL_IDX, TILE_IDX, at, n_tiles, SPARSE_BLOCK: tl.constexpr):
-    """First row (query or key) of the t-th tile of list i at ``at``, lists being n_tiles long."""
-    if i == 0:
-        block = tl.load(FULL_IDX + at * n_tiles + t)
+def tile_start(it, LIST, BLOCK: tl.constexpr, SUB: tl.constexpr):
+    """First row of loop step ``it``'s tile: of a band, ``it`` itself; of a BlockMask list (LIST not
+    None), whose listed tiles hold SUB kernel tiles of BLOCK rows each, sub-tile it % SUB of listed
+    tile it // SUB (one index load per step, so the pipeline runs across listed tiles)."""
+    if LIST is None:
+        return it
     else:
-        block = tl.load(TILE_IDX + at * n_tiles + t)
-    return block * SPARSE_BLOCK
-
-
-@triton.jit
-def listed_keys(
-    i: tl.constexpr, t, FULL_IDX, TILE_IDX, row, N_K, SPARSE_BLOCK_N: tl.constexpr, BLOCK_N: tl.constexpr
-):  # fmt: skip
-    """Keys of the t-th listed key tile of query-tile row ``row`` as start <= mid <= end: a full tile's
-    [start, mid) needs no mask and [mid, end) is its ragged end; a partial tile is all [mid, end)."""
-    start = listed_start(i, t, FULL_IDX, TILE_IDX, row, tl.cdiv(N_K, SPARSE_BLOCK_N), SPARSE_BLOCK_N)
-    end = tl.minimum(start + SPARSE_BLOCK_N, N_K)
-    mid = start
-    if i == 0:
-        mid = tl.maximum(tl.minimum(end, N_K // BLOCK_N * BLOCK_N), start)
-    return start, mid, end
+        return tl.load(LIST + it // SUB) * (SUB * BLOCK) + it % SUB * BLOCK
 
 
 @triton.jit

@@ -42,14 +42,13 @@ from .common import (
     band_stretch,
     dropout_keep,
     key_range,
-    listed_count,
-    listed_keys,
+    listed,
     load_tile,
     logits,
     mod_visible,
     sequence,
     store_tile,
-    stretch,
+    tile_start,
     visible,
 )
 
@@ -62,51 +61,79 @@ def _attend_tiles(
     D: tl.constexpr, BLOCK_N: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
     MASKED: tl.constexpr, APPLY_MOD: tl.constexpr, IN_BOUNDS: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, LIST=None, SUB: tl.constexpr = 1,
 ):  # fmt: skip
-    """Fold key tiles [lo, hi) into the running (acc, l_i, m_i); pointers start at key lo.
+    """Fold key tiles into the running (acc, l_i, m_i): the band [lo, hi), pointers starting at key lo,
+    or with LIST the BlockMask tiles LIST[lo:hi], pointers at key 0, each SUB tiles of BLOCK_N keys.
 
     MASKED tiles get the bounds and window mask and, with APPLY_MOD, the user's MASK_MOD;
     IN_BOUNDS: every key is < N_K, so K and V load without a bounds mask. STAGES: this loop's
-    software-pipeline depth (None: the launch's num_stages).
+    software-pipeline depth (None: the launch's num_stages); one loop over all listed tiles lets
+    the pipeline prefetch across them.
     """
     # Plain scores stay raw and take qk_scale inside the exp2's FMA; modified ones arrive in base 2.
     PLAIN: tl.constexpr = not (SOFTCAP or ALIBI or SCORE_MOD is not None)
-    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
-        cols = start_n + cols0
-        k = load_tile(k_ptrs, cols, N_K, offs_d, D, IN_BOUNDS, EVEN_D)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        s_scale = qk_scale
-        if not PLAIN:
-            s, _ = logits(
-                s, rows[:, None], cols[None, :], N_K - N_Q, qk_scale, softcap, slope, b, h, N_Q, N_K, SCORE_TENSORS,
-                SOFTCAP, ALIBI, SCORE_MOD, None,
-            )  # fmt: skip
-            s_scale = 1.0
-        if MASKED:
-            mask = visible(rows, cols, N_Q, N_K, window_left, window_right, LEFT, RIGHT)
-            if APPLY_MOD:
-                if MASK_MOD is not None:  # a layout without mask_mod lists no partial tile
-                    mask = mod_visible(mask, b, h, rows[:, None], cols[None, :], N_Q, N_K, MASK_TENSORS, MASK_MOD)
-            s = tl.where(mask, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
-        m_shift = m_new
-        if MASKED:
-            # A row with no visible key so far keeps m = -inf; shift it by 0 instead (no inf - inf).
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s * s_scale - m_shift[:, None])
-        # rescale what was accumulated under the old max
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if DROPOUT:
-            # the softmax sum above is of the undropped P; only the product with V sees the mask
-            p = tl.where(dropout_keep(seed, b, h, rows[:, None], cols[None, :], threshold), p, 0.0)
-        v = load_tile(v_ptrs, cols, N_K, offs_d, D, IN_BOUNDS, EVEN_D)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+    STEP: tl.constexpr = BLOCK_N if LIST is None else 1
+    for it in tl.range(lo * SUB, hi * SUB, STEP, num_stages=STAGES):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, tile_start(it, LIST, BLOCK_N, SUB),
+            rows, cols0, offs_d, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
+            seed, threshold, b, h, MASK_TENSORS, SCORE_TENSORS,
+            D, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, MASKED, APPLY_MOD, IN_BOUNDS,
+            EVEN_D, DOT_PRECISION, PLAIN, LIST is not None,
+        )  # fmt: skip
+        if LIST is None:
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_tile(
+    acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_n,
+    rows, cols0, offs_d, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
+    seed, threshold, b, h, MASK_TENSORS, SCORE_TENSORS,
+    D: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+    MASKED: tl.constexpr, APPLY_MOD: tl.constexpr, IN_BOUNDS: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PLAIN: tl.constexpr, OFFSET: tl.constexpr,
+):  # fmt: skip
+    """One key tile at start_n (pointers at start_n, or at key 0 with OFFSET) of _attend_tiles."""
+    if OFFSET:
+        k_ptrs += start_n.to(tl.int64) * stride_kn
+        v_ptrs += start_n.to(tl.int64) * stride_vn
+    cols = start_n + cols0
+    k = load_tile(k_ptrs, cols, N_K, offs_d, D, IN_BOUNDS, EVEN_D)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    s_scale = qk_scale
+    if not PLAIN:
+        s, _ = logits(
+            s, rows[:, None], cols[None, :], N_K - N_Q, qk_scale, softcap, slope, b, h, N_Q, N_K, SCORE_TENSORS,
+            SOFTCAP, ALIBI, SCORE_MOD, None,
+        )  # fmt: skip
+        s_scale = 1.0
+    if MASKED:
+        mask = visible(rows, cols, N_Q, N_K, window_left, window_right, LEFT, RIGHT)
+        if APPLY_MOD:
+            if MASK_MOD is not None:  # a layout without mask_mod lists no partial tile
+                mask = mod_visible(mask, b, h, rows[:, None], cols[None, :], N_Q, N_K, MASK_TENSORS, MASK_MOD)
+        s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
+    m_shift = m_new
+    if MASKED:
+        # A row with no visible key so far keeps m = -inf; shift it by 0 instead (no inf - inf).
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s * s_scale - m_shift[:, None])
+    # rescale what was accumulated under the old max
+    alpha = tl.math.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if DROPOUT:
+        # the softmax sum above is of the undropped P; only the product with V sees the mask
+        p = tl.where(dropout_keep(seed, b, h, rows[:, None], cols[None, :], threshold), p, 0.0)
+    v = load_tile(v_ptrs, cols, N_K, offs_d, D, IN_BOUNDS, EVEN_D)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    m_i = m_new
     return acc, l_i, m_i
 
 
@@ -157,22 +184,17 @@ def attention_forward_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     if SPARSE:
-        # this query tile's row of the block mask: full key tiles, then partial ones (any order is exact);
-        # the launcher passes zero counts for absent full lists
+        # this query tile's row of the block mask: its full key tiles (no mask unless N_K ends inside
+        # one: EVEN_N is then about SPARSE_BLOCK_N), then its partial ones through MASK_MOD
         row = b * stride_sb + h * stride_sh + m0 // SPARSE_BLOCK_M
         for i in tl.static_range(2):
-            for t in range(listed_count(i, FULL_NUM, TILE_NUM, row)):
-                start, mid, end = listed_keys(i, t, FULL_IDX, TILE_IDX, row, N_K, SPARSE_BLOCK_N, BLOCK_N)
-                for j in tl.static_range(2):
-                    lo, hi = stretch(j, start, mid, end)
-                    offset = tl.cast(lo, tl.int64)
-                    acc, l_i, m_i = _attend_tiles(
-                        acc, l_i, m_i, q, k_base + offset * stride_kn, v_base + offset * stride_vn,
-                        stride_kn, stride_vn, rows, cols0, offs_d, lo, hi, N_Q, N_K, qk_scale, softcap, slope,
-                        window_left, window_right, seed, threshold, b, h, MASK_TENSORS, SCORE_TENSORS,
-                        D, BLOCK_N, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD,
-                        j == 1, i == 1, j == 0, EVEN_D, DOT_PRECISION, None,
-                    )  # fmt: skip
+            tiles, count = listed(i, FULL_NUM, FULL_IDX, TILE_NUM, TILE_IDX, row, tl.cdiv(N_K, SPARSE_BLOCK_N))
+            acc, l_i, m_i = _attend_tiles(
+                acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, rows, cols0, offs_d, 0, count,
+                N_Q, N_K, qk_scale, softcap, slope, window_left, window_right, seed, threshold, b, h,
+                MASK_TENSORS, SCORE_TENSORS, D, BLOCK_N, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD,
+                i == 1 or not EVEN_N, i == 1, EVEN_N, EVEN_D, DOT_PRECISION, None, tiles, SPARSE_BLOCK_N // BLOCK_N,
+            )  # fmt: skip
     else:
         lo, full_lo, full_hi, hi = key_range(m0, N_Q, N_K, window_left, window_right, BLOCK_M, BLOCK_N, LEFT, RIGHT)
         # the band's stretches: left edge (masked), whole tiles, right edge (masked), ragged last tile
