@@ -4,9 +4,10 @@
 
 Cases (bf16, B=1, H=16, D=128, N=16k unless --seqlen): a causal sliding window of 1024 and an
 8-document causal mask, each through flashtriton's native path (window_size; varlen) and its
-BlockMask path, against FlexAttention (torch.compile(flex_attention) with the same mask); then
-random block layouts at densities 1..100% (flashtriton only; Flex with the same layout) to show
-time proportional to density. Writes masks.json and masks.png; prints a table.
+BlockMask path, against FlexAttention (torch.compile(flex_attention) with the same mask) and SDPA
+given the same mask as a dense boolean (N, N) attn_mask; then random block layouts at densities
+1..100% (the same three providers) to show time proportional to density. Writes masks.json and
+masks.png; prints a table.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import triton
 
 import flashtriton
@@ -49,6 +51,12 @@ def _flex(q, k, v, block_mask):
     return lambda: compiled(qt, kt, vt, block_mask=block_mask).transpose(1, 2)
 
 
+def _sdpa(q, k, v, dense_mask):
+    """SDPA with the mask materialised: the dense-mask baseline (its backends read all N x N entries)."""
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    return lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=dense_mask).transpose(1, 2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -64,6 +72,7 @@ def main() -> None:
     doc_len = n // DOCUMENTS
     doc_ids = (torch.arange(n, device=dev) // doc_len).to(torch.int32)
     cu_seqlens = torch.arange(0, n + 1, doc_len, device=dev, dtype=torch.int32)
+    positions = torch.arange(n, device=dev)
 
     def flex_window(b, hh, qi, ki):
         return (ki <= qi) & (qi - ki <= WINDOW)
@@ -80,6 +89,7 @@ def main() -> None:
             "flashtriton (window_size)": lambda: flashtriton.flash_attn_func(q, k, v, window_size=(WINDOW, 0)),
             "flashtriton (block mask)": lambda: flashtriton.flash_attn_func(q, k, v, block_mask=window_bm),
             "flex": _flex(q, k, v, flex_block_mask(flex_window, None, None, n, n, device=dev)),
+            "sdpa (dense mask)": _sdpa(q, k, v, flex_window(0, 0, positions[:, None], positions[None, :])),
         },
         "document8": {
             "flashtriton (varlen)": lambda: flashtriton.flash_attn_varlen_func(
@@ -87,6 +97,7 @@ def main() -> None:
             ).unsqueeze(0),
             "flashtriton (block mask)": lambda: flashtriton.flash_attn_func(q, k, v, block_mask=document_bm),
             "flex": _flex(q, k, v, flex_block_mask(flex_document, None, None, n, n, device=dev)),
+            "sdpa (dense mask)": _sdpa(q, k, v, flex_document(0, 0, positions[:, None], positions[None, :])),
         },
     }
 
@@ -112,9 +123,11 @@ def main() -> None:
             return dense[0, 0, qi // 128, ki // 128]
 
         flex_bm = flex_block_mask(flex_layout, None, None, n, n, device=dev)
+        element_mask = dense[0, 0].repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :n]
         for provider, fn in (
             ("flashtriton", lambda bm=bm: flashtriton.flash_attn_func(q, k, v, block_mask=bm)),
             ("flex", _flex(q, k, v, flex_bm)),
+            ("sdpa (dense mask)", _sdpa(q, k, v, element_mask)),
         ):
             for mode, backward in (("fwd", False), ("fwd_bwd", True)):
                 ms = _time(fn, backward, (q, k, v))
@@ -141,7 +154,7 @@ def _plot(rows, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, mode in zip(axes, ("fwd", "fwd_bwd"), strict=True):
-        for provider in ("flashtriton", "flex"):
+        for provider in ("flashtriton", "flex", "sdpa (dense mask)"):
             pts = sorted((r["density"], r["ms"]) for r in rows if r["provider"] == provider and r["mode"] == mode)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=provider)
         ax.set(title=f"random block layout, {mode}", xlabel="density (tiles visited)", ylabel="ms")
