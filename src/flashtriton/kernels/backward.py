@@ -35,12 +35,11 @@ from .common import (
     load_rows,
     load_tile,
     logits,
-    mod_visible,
     query_range,
     sequence,
     store_tile,
+    tile_mask,
     tile_start,
-    visible,
 )
 
 
@@ -139,10 +138,9 @@ def _dkdv_tile(
         s_scale = 1.0
     p_t = tl.math.exp2(s_t * s_scale - lse2[None, :])
     if MASKED:
-        mask = visible(rows, cols, N_Q, N_K, window_left, window_right, LEFT, RIGHT)
-        if APPLY_MOD:
-            if MASK_MOD is not None:  # a layout without mask_mod lists no partial tile
-                mask = mod_visible(mask, b, h, rows[:, None], cols[None, :], N_Q, N_K, MASK_TENSORS, MASK_MOD)
+        mask = tile_mask(
+            rows, cols, N_Q, N_K, window_left, window_right, b, h, MASK_TENSORS, LEFT, RIGHT, MASK_MOD, APPLY_MOD
+        )
         p_t = tl.where(tl.trans(mask), p_t, 0.0)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     if DROPOUT:
@@ -305,10 +303,9 @@ def _dq_tile(
         s_scale = 1.0
     p = tl.math.exp2(s * s_scale - lse2[:, None])
     if MASKED:
-        mask = visible(rows, cols, N_Q, N_K, window_left, window_right, LEFT, RIGHT)
-        if APPLY_MOD:
-            if MASK_MOD is not None:  # a layout without mask_mod lists no partial tile
-                mask = mod_visible(mask, b, h, rows[:, None], cols[None, :], N_Q, N_K, MASK_TENSORS, MASK_MOD)
+        mask = tile_mask(
+            rows, cols, N_Q, N_K, window_left, window_right, b, h, MASK_TENSORS, LEFT, RIGHT, MASK_MOD, APPLY_MOD
+        )
         p = tl.where(mask, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     if DROPOUT:

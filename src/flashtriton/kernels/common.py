@@ -208,11 +208,19 @@ def logits(
 
 
 @triton.jit
-def mod_visible(mask, b, h, q_idx, k_idx, N_Q, N_K, MASK_TENSORS, MASK_MOD: tl.constexpr):
-    """mask & mask_mod at in-range indices (ragged padding is clamped; visible() already hides it)."""
-    q_in = tl.minimum(q_idx, N_Q - 1)
-    k_in = tl.minimum(k_idx, N_K - 1)
-    return mask & MASK_MOD(b.to(tl.int32), h.to(tl.int32), q_in, k_in, *MASK_TENSORS)
+def tile_mask(
+    rows, cols, N_Q, N_K, window_left, window_right, b, h, MASK_TENSORS,
+    LEFT: tl.constexpr, RIGHT: tl.constexpr, MASK_MOD: tl.constexpr, APPLY_MOD: tl.constexpr,
+):  # fmt: skip
+    """[rows, cols] mask of an edge tile: visible() and, for a BlockMask's partial tiles (APPLY_MOD), the
+    user's MASK_MOD at in-range indices (ragged padding is clamped; visible() already hides it)."""
+    mask = visible(rows, cols, N_Q, N_K, window_left, window_right, LEFT, RIGHT)
+    if APPLY_MOD:
+        if MASK_MOD is not None:  # a layout without mask_mod lists no partial tile
+            q_in = tl.minimum(rows[:, None], N_Q - 1)
+            k_in = tl.minimum(cols[None, :], N_K - 1)
+            mask = mask & MASK_MOD(b.to(tl.int32), h.to(tl.int32), q_in, k_in, *MASK_TENSORS)
+    return mask
 
 
 @triton.jit

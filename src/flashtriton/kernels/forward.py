@@ -45,11 +45,10 @@ from .common import (
     listed,
     load_tile,
     logits,
-    mod_visible,
     sequence,
     store_tile,
+    tile_mask,
     tile_start,
-    visible,
 )
 
 
@@ -113,10 +112,9 @@ def _attend_tile(
         )  # fmt: skip
         s_scale = 1.0
     if MASKED:
-        mask = visible(rows, cols, N_Q, N_K, window_left, window_right, LEFT, RIGHT)
-        if APPLY_MOD:
-            if MASK_MOD is not None:  # a layout without mask_mod lists no partial tile
-                mask = mod_visible(mask, b, h, rows[:, None], cols[None, :], N_Q, N_K, MASK_TENSORS, MASK_MOD)
+        mask = tile_mask(
+            rows, cols, N_Q, N_K, window_left, window_right, b, h, MASK_TENSORS, LEFT, RIGHT, MASK_MOD, APPLY_MOD
+        )
         s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
     m_shift = m_new
