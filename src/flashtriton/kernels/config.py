@@ -7,9 +7,9 @@ backward by ``windowed`` (the band has a left bound) and ``seqlen`` (the longer 
 ``arch`` is ``"sm90"`` for Hopper, ``"cuda"`` for any other CUDA GPU, and ``"interpreter"`` for
 Triton's CPU interpreter, where tiles are small so that tiny test shapes still span several tiles
 and reach every boundary path.
-The sm90 rows for head dims <= 128 won H200 sweeps (benchmarks/NOTES.md); causal and non-causal
-picked the same tiles, so causal is not a key. The head-dim-256 row and the table for other CUDA
-GPUs are unmeasured starting points that only fit shared memory.
+The sm90 rows won H200 sweeps (benchmarks/NOTES.md); causal and non-causal picked the same tiles,
+so causal is not a key. The table for other CUDA GPUs is an unmeasured starting point that only
+fits shared memory.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ _INTERPRETER_BACKWARD = BackwardConfig(16, 16, 16, 16, num_warps=1, stages_kv=1,
 _SM90_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
     (64, ForwardConfig(128, 64, 8, 3), BackwardConfig(64, 64, 64, 64, 4, 3, 3, edge_stages=2)),
     (128, ForwardConfig(128, 128, 8, 3, edge_stages=2), BackwardConfig(64, 128, 128, 64, 8, 3, 3, edge_stages=2)),
-    (256, ForwardConfig(64, 64, 4, 2), BackwardConfig(32, 64, 64, 32, 4, 1, 1)),
+    (256, ForwardConfig(128, 64, 8, 2, edge_stages=1), BackwardConfig(64, 64, 64, 64, 8, 2, 2)),
 )
 # sm90 forwards for spans up to SHORT_SPAN keys, by head dim (measured at 128 only: better at spans
 # of 256..1025, level at 1024, worse at 2048; the threshold lies between).
