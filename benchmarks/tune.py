@@ -63,7 +63,7 @@ def sweep(head_dim, causal, seqlen, mode, dtype=torch.bfloat16):
     candidates = FWD_CANDIDATES if mode == "fwd" else BWD_CANDIDATES
     target = "forward_config" if mode == "fwd" else "backward_config"
     for cfg in candidates:
-        with mock.patch.object(config, target, lambda *a, cfg=cfg: cfg):
+        with mock.patch.object(config, target, lambda *a, cfg=cfg, **kw: cfg):
             try:
                 err = _error(q, k, v, causal, mode)
                 if mode == "fwd":

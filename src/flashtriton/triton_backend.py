@@ -184,7 +184,10 @@ def backward(
     batch, n_q, n_k = _lengths(q, k, p)
     heads, head_dim, heads_k = q.shape[2], q.shape[3], k.shape[2]
     arch = config.arch_of(q.device, interpreting())
-    cfg = config.backward_config(arch, head_dim, run_dtype, p.window_left != NO_BOUND, max(n_q, n_k))
+    cfg = config.backward_config(
+        arch, head_dim, run_dtype, span=_span(p, n_q, n_k), seqlen=max(n_q, n_k),
+        windowed=p.window_left != NO_BOUND, varlen=p.varlen,
+    )  # fmt: skip
     runtime, flags = _features(p)
     flags.update(SCORE_GRAD=p.score_mod.grad if p.score_mod else None)
     common = dict(H=heads, D=head_dim, BLOCK_D=config.block_d(head_dim))
