@@ -185,8 +185,7 @@ def backward(
     heads, head_dim, heads_k = q.shape[2], q.shape[3], k.shape[2]
     arch = config.arch_of(q.device, interpreting())
     cfg = config.backward_config(
-        arch, head_dim, run_dtype, span=_span(p, n_q, n_k), seqlen=max(n_q, n_k),
-        windowed=p.window_left != NO_BOUND, varlen=p.varlen,
+        arch, head_dim, run_dtype, span=_span(p, n_q, n_k), windowed=p.window_left != NO_BOUND, varlen=p.varlen,
     )  # fmt: skip
     runtime, flags = _features(p)
     flags.update(SCORE_GRAD=p.score_mod.grad if p.score_mod else None)

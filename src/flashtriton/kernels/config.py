@@ -3,8 +3,7 @@
 A config is looked up by (arch, head-dim bucket, dtype) and the length of its loops: the forward
 by ``span``, about how many keys a query row sees (short bands, e.g. a window of 1k or 2k-token
 causal documents, prefer smaller tiles: more programs per SM hide each one's start and end), the
-backward by the same span, ``seqlen`` (the longer sequence), ``windowed`` (the band has a left
-bound) and ``varlen``.
+backward by the same span, ``windowed`` (the band has a left bound) and ``varlen``.
 ``arch`` is ``"sm90"`` for Hopper, ``"cuda"`` for any other CUDA GPU, and ``"interpreter"`` for
 Triton's CPU interpreter, where tiles are small so that tiny test shapes still span several tiles
 and reach every boundary path.
@@ -60,18 +59,16 @@ _SM90_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
     (128, ForwardConfig(128, 128, 8, 3, edge_stages=2), BackwardConfig(64, 128, 128, 64, 8, 3, 3, edge_stages=2)),
     (256, ForwardConfig(128, 64, 8, 2, edge_stages=1), BackwardConfig(64, 64, 64, 64, 8, 2, 2)),
 )
-# sm90 forwards for spans up to SHORT_SPAN keys, by head dim (measured at 128 only: better at spans
-# of 256..1025, level at 1024, worse at 2048; the threshold lies between).
+# sm90 forwards for spans up to SHORT_SPAN keys, by head dim (measured at 128 only: faster for a causal
+# window of 1024, 2k-token causal documents and N = 512; level for dense N = 1k and causal N = 2k; slower
+# for dense N = 2k, span 2048; the threshold lies between).
 SHORT_SPAN = 1536
+_SM90_SHORT_FORWARD = {128: ForwardConfig(64, 64, 4, 3, edge_stages=1)}
 # sm90 backwards for short spans of windowed or varlen bands (the kernel variants that spill most):
 # dK/dV streams 32 query rows per step (8 x 2k causal documents, varlen: dK/dV 1.36 -> 0.82 ms; window
 # 1024: 1.08 -> 0.82). Dense short sequences lose with it (N=1k fwd+bwd 1.59 -> 1.81 ms), as does a
-# long span (16k causal dK/dV 15% slower).
+# long span (16k causal dK/dV 4.13 -> 4.84 ms).
 _SM90_SHORT_BACKWARD = {128: BackwardConfig(32, 128, 128, 64, 8, 2, 3)}
-# sm90 backwards for sequences up to SHORT_SEQLEN keep two stages (measured: 3 stages lose 10-35% at
-# N = 512, gain from N = 1024).
-SHORT_SEQLEN = 512
-_SM90_SHORT_FORWARD = {128: ForwardConfig(64, 64, 4, 3, edge_stages=1)}
 
 # Other CUDA GPUs (smaller shared memory than Hopper): conservative tiles.
 _CUDA_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
@@ -130,7 +127,7 @@ def forward_config(arch: str, head_dim: int, dtype: torch.dtype, span: int) -> F
 
 
 def backward_config(
-    arch: str, head_dim: int, dtype: torch.dtype, *, span: int, seqlen: int, windowed: bool, varlen: bool
+    arch: str, head_dim: int, dtype: torch.dtype, *, span: int, windowed: bool, varlen: bool
 ) -> BackwardConfig:
     if arch == "interpreter":
         return _INTERPRETER_BACKWARD
@@ -143,8 +140,6 @@ def backward_config(
             # A left bound adds the dK/dV kernel's second edge loop; at 3 stages it then spills
             # (window 1024, d128: 2.9 ms against 1.1 at 2 stages).
             cfg = replace(cfg, stages_kv=min(cfg.stages_kv, 2), edge_stages=None)
-        if seqlen <= SHORT_SEQLEN:
-            cfg = replace(cfg, stages_kv=min(cfg.stages_kv, 2), stages_q=min(cfg.stages_q, 2), edge_stages=None)
     return _halve_for_fp32(cfg, dtype)
 
 
