@@ -11,6 +11,7 @@ import math
 import torch
 import triton
 from triton import knobs
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import dropout
 from .block_mask import BlockMask
@@ -53,6 +54,27 @@ def _strides(x: torch.Tensor, varlen: bool = False) -> tuple[int, int, int]:
 def _batched(x: torch.Tensor) -> torch.Tensor:
     """Varlen (total, H, D) tensors are run as one batch row (1, total, H, D); the kernels add cu_seqlens."""
     return x.unsqueeze(0) if x.dim() == 3 else x
+
+
+def _tma_view(x: torch.Tensor, block_rows: int, block_d: int, enabled: bool) -> TensorDescriptor | None:
+    """A (B, N, H, D) tensor as the 2D (B * N, H * D) view whose whole in-bounds tiles the kernels load
+    through TMA (common.load_block), or None for pointer loads: when the config does not use TMA, or
+    the layout does not fit: D a power of two (a tile's columns are exactly one head), heads packed,
+    batches back to back, base and row stride 16-byte aligned.
+    """
+    batch, n, heads, d = x.shape
+    row = x.stride(1)
+    fits = (
+        d == block_d
+        and x.stride(2) == d
+        and row >= heads * d
+        and (batch == 1 or x.stride(0) == n * row)
+        and row * x.element_size() % 16 == 0
+        and x.data_ptr() % 16 == 0
+    )
+    if not (enabled and fits):
+        return None
+    return TensorDescriptor(x, [batch * n, heads * d], [row, 1], [block_rows, block_d])
 
 
 def _lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int]:
@@ -150,12 +172,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
     runtime, flags = _features(p)
     block_m, block_n = _tile(cfg.block_m, p.block_mask, 0), _tile(cfg.block_n, p.block_mask, 1)
     grid = (triton.cdiv(n_q, block_m), batch * heads)
+    block_d = config.block_d(head_dim)
     attention_forward_kernel[grid](
-        q, k, v, out, lse,
+        q, k, v, out, lse, _tma_view(k, block_n, block_d, cfg.tma), _tma_view(v, block_n, block_d, cfg.tma),
         *_strides(q, p.varlen), *_strides(k, p.varlen), *_strides(v, p.varlen), *_strides(out, p.varlen),
         *_lse_strides(lse, p.varlen),
         N_Q=n_q, N_K=n_k, qk_scale=p.softmax_scale * LOG2E, H=heads, GROUP=heads // heads_k,
-        D=head_dim, BLOCK_D=config.block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        D=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         EVEN_M=_even(n_q, block_m, p), EVEN_N=_even(n_k, _sparse_block(block_n, p.block_mask, 1), p),
         DOT_PRECISION=_dot_precision(run_dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, EDGE_STAGES=cfg.edge_stages,
@@ -185,11 +208,13 @@ def backward(
     heads, head_dim, heads_k = q.shape[2], q.shape[3], k.shape[2]
     arch = config.arch_of(q.device, interpreting())
     cfg = config.backward_config(
-        arch, head_dim, run_dtype, span=_span(p, n_q, n_k), windowed=p.window_left != NO_BOUND, varlen=p.varlen,
+        arch, head_dim, run_dtype, span=_span(p, n_q, n_k), windowed=p.window_left != NO_BOUND,
+        causal=p.window_left == NO_BOUND and p.window_right != NO_BOUND, varlen=p.varlen,
     )  # fmt: skip
     runtime, flags = _features(p)
     flags.update(SCORE_GRAD=p.score_mod.grad if p.score_mod else None)
-    common = dict(H=heads, D=head_dim, BLOCK_D=config.block_d(head_dim))
+    block_d = config.block_d(head_dim)
+    common = dict(H=heads, D=head_dim, BLOCK_D=block_d)
     kernel_args = dict(
         N_Q=n_q, N_K=n_k, qk_scale=p.softmax_scale * LOG2E, softmax_scale=p.softmax_scale, GROUP=heads // heads_k,
         DOT_PRECISION=_dot_precision(run_dtype), num_warps=cfg.num_warps, EDGE_STAGES=cfg.edge_stages,
@@ -211,6 +236,7 @@ def backward(
     block_m, block_n = _tile(cfg.block_m_kv, mask, 0), _tile(cfg.block_n_kv, mask, 1)
     attention_backward_dkdv_kernel[(triton.cdiv(n_k, block_n), batch * heads_k)](
         q, k, v, dout, lse, delta, dk, dv,
+        _tma_view(q, block_m, block_d, cfg.tma), _tma_view(dout, block_m, block_d, cfg.tma),
         *(s for x in (q, k, v, dout, dk, dv) for s in _strides(x, p.varlen)), *lse_strides,
         BLOCK_M=block_m, BLOCK_N=block_n,
         EVEN_M=_even(n_q, _sparse_block(block_m, mask, 0), p), EVEN_N=_even(n_k, block_n, p),
@@ -219,6 +245,7 @@ def backward(
     block_m, block_n = _tile(cfg.block_m_q, mask, 0), _tile(cfg.block_n_q, mask, 1)
     attention_backward_dq_kernel[(triton.cdiv(n_q, block_m), batch * heads)](
         q, k, v, dout, lse, delta, dq,
+        _tma_view(k, block_n, block_d, cfg.tma), _tma_view(v, block_n, block_d, cfg.tma),
         *(s for x in (q, k, v, dout, dq) for s in _strides(x, p.varlen)), *lse_strides,
         BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=_even(n_q, block_m, p),
         EVEN_N=_even(n_k, _sparse_block(block_n, mask, 1), p),

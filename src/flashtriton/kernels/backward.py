@@ -15,6 +15,9 @@ Q, K and the forward's LSE, one tile at a time.
   dQ           grid (cdiv(N_Q, BLOCK_M), B * H): a program owns one query tile and streams the keys
                it sees, exactly as the forward does.
 
+Q_DESC, DO_DESC (dK/dV) and K_DESC, V_DESC (dQ): tensor descriptors of the streamed tensors, or None,
+as the forward's K_DESC, V_DESC.
+
 Each output element is written by exactly one program in a fixed order: the backward is
 deterministic (bitwise reproducible) whatever ``deterministic`` says.
 Features: the forward's flags (LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN; see forward.py), with
@@ -32,6 +35,7 @@ from .common import (
     dropout_keep,
     key_range,
     listed,
+    load_block,
     load_rows,
     load_tile,
     logits,
@@ -70,7 +74,7 @@ def attention_backward_preprocess_kernel(
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
+    dk, dv, k, v, q_ptrs, do_ptrs, q_tma, do_tma, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
     cols, rows0, offs_d, lo, hi, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
     seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
     D: tl.constexpr, BLOCK_M: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -83,14 +87,15 @@ def _dkdv_tiles(
 
     ROWS_IN_BOUNDS: every row is < N_Q, so the loads need no row mask (masked loads in this loop
     cost registers the kernel does not have: 3x slower when every tile paid for them).
-    STAGES: this loop's software-pipeline depth (None: the launch's num_stages).
+    STAGES: this loop's software-pipeline depth (None: the launch's num_stages). q_tma, do_tma:
+    load_block's descriptors for in-bounds tiles.
     """
     PLAIN: tl.constexpr = not (SOFTCAP or ALIBI or SCORE_MOD is not None)
     CHAIN: tl.constexpr = SOFTCAP or SCORE_GRAD is not None  # dS picks up d logits / d score
     STEP: tl.constexpr = BLOCK_M if LIST is None else 1
     for it in tl.range(lo * SUB, hi * SUB, STEP, num_stages=STAGES):
         dk, dv = _dkdv_tile(
-            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
+            dk, dv, k, v, q_ptrs, do_ptrs, q_tma, do_tma, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
             tile_start(it, LIST, BLOCK_M, SUB), cols, rows0, offs_d, N_Q, N_K, qk_scale, softcap, slope,
             window_left, window_right, seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
             D, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, SCORE_GRAD, MASKED, APPLY_MOD,
@@ -106,7 +111,7 @@ def _dkdv_tiles(
 
 @triton.jit
 def _dkdv_tile(
-    dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom, start_m,
+    dk, dv, k, v, q_ptrs, do_ptrs, q_tma, do_tma, lse_ptrs, delta_ptrs, stride_qm, stride_dom, start_m,
     cols, rows0, offs_d, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
     seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
     D: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -122,8 +127,8 @@ def _dkdv_tile(
         lse_ptrs += start_m
         delta_ptrs += start_m
     rows = start_m + rows0
-    q = load_tile(q_ptrs, rows, N_Q, offs_d, D, ROWS_IN_BOUNDS, EVEN_D)
-    do = load_tile(do_ptrs, rows, N_Q, offs_d, D, ROWS_IN_BOUNDS, EVEN_D)
+    q = load_block(q_tma, start_m, q_ptrs, rows, N_Q, offs_d, D, ROWS_IN_BOUNDS, EVEN_D)
+    do = load_block(do_tma, start_m, do_ptrs, rows, N_Q, offs_d, D, ROWS_IN_BOUNDS, EVEN_D)
     # Rows past N_Q load LSE = +inf, so their P is 0 and they add nothing.
     lse2 = load_rows(lse_ptrs, rows, N_Q, float("inf"), ROWS_IN_BOUNDS) * LOG2E
     delta = load_rows(delta_ptrs, rows, N_Q, 0.0, ROWS_IN_BOUNDS)
@@ -158,7 +163,7 @@ def _dkdv_tile(
 
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H", "GROUP", "window_left", "window_right", "seed", "threshold"])
 def attention_backward_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
+    Q, K, V, DO, LSE, DELTA, DK, DV, Q_DESC, DO_DESC,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -181,10 +186,12 @@ def attention_backward_dkdv_kernel(
     b = (pid_bhk // HKV).to(tl.int64)
     hk = (pid_bhk % HKV).to(tl.int64)
     n0 = pid_n * BLOCK_N
+    q_row = b * N_Q  # of Q and dO's (rows, heads * D) views; a varlen sequence's first row instead
     q_start, k_start, N_Q, N_K = sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, N_Q, N_K, VARLEN)
     if VARLEN:
         if n0 >= N_K:
             return
+        q_row = q_start
     EVEN_D: tl.constexpr = BLOCK_D == D
 
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -207,6 +214,8 @@ def attention_backward_dkdv_kernel(
         q_base = Q + b * stride_qb + h * stride_qh + (q_start + rows0[:, None]) * stride_qm + offs_d[None, :]
         do_base = DO + b * stride_dob + h * stride_doh + (q_start + rows0[:, None]) * stride_dom + offs_d[None, :]
         row_base = b * stride_lb + h * stride_lh + q_start + rows0
+        q_tma = (Q_DESC, q_row, (h * D).to(tl.int32))
+        do_tma = (DO_DESC, q_row, (h * D).to(tl.int32))
         if SPARSE:
             # this key tile's column of the block mask: full query tiles (unmasked: rows past N_Q are
             # neutralised by their loads; EVEN_M is then about SPARSE_BLOCK_M), then partial ones through MASK_MOD
@@ -214,8 +223,8 @@ def attention_backward_dkdv_kernel(
             for i in tl.static_range(2):
                 tiles, count = listed(i, FULL_NUM, FULL_IDX, TILE_NUM, TILE_IDX, col, tl.cdiv(N_Q, SPARSE_BLOCK_M))
                 dk, dv = _dkdv_tiles(
-                    dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, stride_qm, stride_dom,
-                    cols, rows0, offs_d, 0, count, N_Q, N_K, qk_scale, softcap, slope,
+                    dk, dv, k, v, q_base, do_base, q_tma, do_tma, LSE + row_base, DELTA + row_base,
+                    stride_qm, stride_dom, cols, rows0, offs_d, 0, count, N_Q, N_K, qk_scale, softcap, slope,
                     window_left, window_right, seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
                     D, BLOCK_M, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, SCORE_GRAD,
                     i == 1, i == 1, EVEN_M, EVEN_D, DOT_PRECISION, None, tiles, SPARSE_BLOCK_M // BLOCK_M,
@@ -227,12 +236,12 @@ def attention_backward_dkdv_kernel(
                 start, end = band_stretch(i, lo, full_lo, full_hi, hi, N_Q // BLOCK_M * BLOCK_M)
                 offset = tl.cast(start, tl.int64)
                 dk, dv = _dkdv_tiles(
-                    dk, dv, k, v, q_base + offset * stride_qm, do_base + offset * stride_dom,
+                    dk, dv, k, v, q_base + offset * stride_qm, do_base + offset * stride_dom, q_tma, do_tma,
                     LSE + row_base + offset, DELTA + row_base + offset, stride_qm, stride_dom,
                     cols, rows0, offs_d, start, end, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
                     seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
                     D, BLOCK_M, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, SCORE_GRAD,
-                    i != 1, False, i != 3, EVEN_D, DOT_PRECISION, None if i == 1 else EDGE_STAGES,
+                    i != 1, False, i != 3, EVEN_D, DOT_PRECISION, None if i == 1 else (1 if i == 3 else EDGE_STAGES),
                 )  # fmt: skip
 
     # S = softmax_scale * Q K^T, so dK picks up the scale once here.
@@ -245,7 +254,7 @@ def attention_backward_dkdv_kernel(
 
 @triton.jit
 def _dq_tiles(
-    dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
+    dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_tma, v_tma, stride_kn, stride_vn,
     rows, cols0, offs_d, lo, hi, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
     seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
     D: tl.constexpr, BLOCK_N: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -256,14 +265,16 @@ def _dq_tiles(
     """Accumulate key tiles into this query tile's dQ, walked as the forward's _attend_tiles walks them
     (a band [lo, hi) from pointers at key lo, or the BlockMask tiles LIST[lo:hi] from key 0).
 
-    IN_BOUNDS: every key is < N_K, so K and V load without a bounds mask. STAGES as in _dkdv_tiles.
+    IN_BOUNDS: every key is < N_K, so K and V load without a bounds mask. STAGES, k_tma, v_tma as in
+    _dkdv_tiles.
     """
     PLAIN: tl.constexpr = not (SOFTCAP or ALIBI or SCORE_MOD is not None)
     CHAIN: tl.constexpr = SOFTCAP or SCORE_GRAD is not None  # dS picks up d logits / d score
     STEP: tl.constexpr = BLOCK_N if LIST is None else 1
     for it in tl.range(lo * SUB, hi * SUB, STEP, num_stages=STAGES):
         dq = _dq_tile(
-            dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, tile_start(it, LIST, BLOCK_N, SUB),
+            dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_tma, v_tma, stride_kn, stride_vn,
+            tile_start(it, LIST, BLOCK_N, SUB),
             rows, cols0, offs_d, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
             seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
             D, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, SCORE_GRAD, MASKED, APPLY_MOD,
@@ -277,7 +288,7 @@ def _dq_tiles(
 
 @triton.jit
 def _dq_tile(
-    dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_n,
+    dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_tma, v_tma, stride_kn, stride_vn, start_n,
     rows, cols0, offs_d, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
     seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
     D: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -291,8 +302,8 @@ def _dq_tile(
         k_ptrs += start_n.to(tl.int64) * stride_kn
         v_ptrs += start_n.to(tl.int64) * stride_vn
     cols = start_n + cols0
-    k = load_tile(k_ptrs, cols, N_K, offs_d, D, IN_BOUNDS, EVEN_D)
-    v = load_tile(v_ptrs, cols, N_K, offs_d, D, IN_BOUNDS, EVEN_D)
+    k = load_block(k_tma, start_n, k_ptrs, cols, N_K, offs_d, D, IN_BOUNDS, EVEN_D)
+    v = load_block(v_tma, start_n, v_ptrs, cols, N_K, offs_d, D, IN_BOUNDS, EVEN_D)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     s_scale = qk_scale
     if not PLAIN:
@@ -319,7 +330,7 @@ def _dq_tile(
 
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H", "GROUP", "window_left", "window_right", "seed", "threshold"])
 def attention_backward_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
+    Q, K, V, DO, LSE, DELTA, DQ, K_DESC, V_DESC,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -341,10 +352,14 @@ def attention_backward_dq_kernel(
     h = (pid_bh % H).to(tl.int64)
     hk = h // GROUP
     m0 = pid_m * BLOCK_M
+    kv_row = b * N_K  # as in the forward
     q_start, k_start, N_Q, N_K = sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, N_Q, N_K, VARLEN)
     if VARLEN:
         if m0 >= N_Q:
             return
+        kv_row = k_start
+    k_tma = (K_DESC, kv_row, (hk * D).to(tl.int32))
+    v_tma = (V_DESC, kv_row, (hk * D).to(tl.int32))
     slope = 0.0
     if ALIBI:
         slope = tl.load(ALIBI_SLOPES + b * H + h)
@@ -370,8 +385,8 @@ def attention_backward_dq_kernel(
         for i in tl.static_range(2):
             tiles, count = listed(i, FULL_NUM, FULL_IDX, TILE_NUM, TILE_IDX, row, tl.cdiv(N_K, SPARSE_BLOCK_N))
             dq = _dq_tiles(
-                dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, cols0, offs_d, 0, count,
-                N_Q, N_K, qk_scale, softcap, slope, window_left, window_right, seed, threshold, dropout_scale,
+                dq, q, do, lse2, delta, k_base, v_base, k_tma, v_tma, stride_kn, stride_vn, rows, cols0, offs_d,
+                0, count, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right, seed, threshold, dropout_scale,
                 b, h, MASK_TENSORS, SCORE_TENSORS, D, BLOCK_N, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD,
                 SCORE_MOD, SCORE_GRAD, i == 1 or not EVEN_N, i == 1, EVEN_N, EVEN_D, DOT_PRECISION, None,
                 tiles, SPARSE_BLOCK_N // BLOCK_N,
@@ -382,11 +397,12 @@ def attention_backward_dq_kernel(
             start, end = band_stretch(i, lo, full_lo, full_hi, hi, N_K // BLOCK_N * BLOCK_N)
             offset = tl.cast(start, tl.int64)
             dq = _dq_tiles(
-                dq, q, do, lse2, delta, k_base + offset * stride_kn, v_base + offset * stride_vn, stride_kn, stride_vn,
+                dq, q, do, lse2, delta, k_base + offset * stride_kn, v_base + offset * stride_vn, k_tma, v_tma,
+                stride_kn, stride_vn,
                 rows, cols0, offs_d, start, end, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
                 seed, threshold, dropout_scale, b, h, MASK_TENSORS, SCORE_TENSORS,
                 D, BLOCK_N, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, SCORE_GRAD,
-                i != 1, False, i != 3, EVEN_D, DOT_PRECISION, None if i == 1 else EDGE_STAGES,
+                i != 1, False, i != 3, EVEN_D, DOT_PRECISION, None if i == 1 else (1 if i == 3 else EDGE_STAGES),
             )  # fmt: skip
 
     dq = dq * softmax_scale

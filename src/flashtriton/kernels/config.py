@@ -3,13 +3,14 @@
 A config is looked up by (arch, head-dim bucket, dtype) and the length of its loops: the forward
 by ``span``, about how many keys a query row sees (short bands, e.g. a window of 1k or 2k-token
 causal documents, prefer smaller tiles: more programs per SM hide each one's start and end), the
-backward by the same span, ``windowed`` (the band has a left bound) and ``varlen``.
+backward by the same span, ``windowed`` (the band has a left bound), ``causal`` and ``varlen``.
+``tma``: the streamed tiles come through the copy engine (tensor descriptors) where the layout allows.
 ``arch`` is ``"sm90"`` for Hopper, ``"cuda"`` for any other CUDA GPU, and ``"interpreter"`` for
 Triton's CPU interpreter, where tiles are small so that tiny test shapes still span several tiles
 and reach every boundary path.
-The sm90 rows won H200 sweeps (benchmarks/NOTES.md); causal and non-causal picked the same tiles,
-so causal is not a key. The table for other CUDA GPUs is an unmeasured starting point that only
-fits shared memory.
+The sm90 rows won H200 sweeps (benchmarks/NOTES.md); causal and non-causal picked the same tiles
+(the D=128 backward differs in its load path only). The table for other CUDA GPUs is an unmeasured
+starting point that only fits shared memory.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class ForwardConfig:
     num_stages: int
     # pipeline depth of a band's edge loops (a few masked tiles each); None: num_stages
     edge_stages: int | None = None
+    tma: bool = False  # whole K/V tiles through the copy engine (sm90+) instead of pointer loads
 
 
 @dataclass(frozen=True)
@@ -45,30 +47,42 @@ class BackwardConfig:
     stages_kv: int  # software-pipeline depth of the dK/dV kernel
     stages_q: int  # and of the dQ kernel
     edge_stages: int | None = None  # as ForwardConfig's, in both kernels
+    tma: bool = False  # as ForwardConfig's: streamed Q/dO (dK/dV) and K/V (dQ) tiles
 
 
 # Rows of the preprocessing kernel (delta = rowsum(dO * O)) per program.
 PREPROCESS_BLOCK_M = 64
 
-_INTERPRETER_FORWARD = ForwardConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
-_INTERPRETER_BACKWARD = BackwardConfig(16, 16, 16, 16, num_warps=1, stages_kv=1, stages_q=1)
+_INTERPRETER_FORWARD = ForwardConfig(block_m=16, block_n=16, num_warps=1, num_stages=1, tma=True)
+_INTERPRETER_BACKWARD = BackwardConfig(16, 16, 16, 16, num_warps=1, stages_kv=1, stages_q=1, tma=True)
 
 # (max head dim, forward, backward) for 2-byte dtypes; first row whose head dim fits wins.
+# tma=True rows won H200 A/Bs against pointer loads (2026-11-21, NOTES item 12): D=128 forward +2-3%,
+# backwards +5-7% (D=64 +7%); the D=64 forward was level, so it keeps pointer loads; D=256 is untested.
+# Triton 3.6's ptxas crashes (SIGSEGV) on some TMA kernels whose loops differ in pipeline depth by one
+# (main 3 / edges 2, or main 2 / ragged tile 1): TMA rows keep edge_stages None or 1 below 3 stages.
 _SM90_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
-    (64, ForwardConfig(128, 64, 8, 3), BackwardConfig(64, 64, 64, 64, 4, 3, 3, edge_stages=2)),
-    (128, ForwardConfig(128, 128, 8, 3, edge_stages=2), BackwardConfig(64, 128, 128, 64, 8, 3, 3, edge_stages=2)),
+    (64, ForwardConfig(128, 64, 8, 3), BackwardConfig(64, 64, 64, 64, 4, 2, 2, tma=True)),
+    (
+        128,
+        ForwardConfig(128, 128, 8, 3, tma=True),
+        BackwardConfig(64, 128, 128, 64, 8, 3, 3, edge_stages=1, tma=True),
+    ),
     (256, ForwardConfig(128, 64, 8, 2, edge_stages=1), BackwardConfig(64, 64, 64, 64, 8, 2, 2)),
 )
+# sm90 backwards of causal-like bands (right bound only), by head dim: pointer loads with 2-stage edges
+# beat TMA there (D=128 causal 16k: 7.07 against 7.29 ms; 4k: 2.08 against 2.11).
+_SM90_CAUSAL_BACKWARD = {128: BackwardConfig(64, 128, 128, 64, 8, 3, 3, edge_stages=2)}
 # sm90 forwards for spans up to SHORT_SPAN keys, by head dim (measured at 128 only: faster for a causal
 # window of 1024, 2k-token causal documents and N = 512; level for dense N = 1k and causal N = 2k; slower
-# for dense N = 2k, span 2048; the threshold lies between).
+# for dense N = 2k, span 2048; the threshold lies between). With TMA: window 1024 0.406 -> 0.365 ms.
 SHORT_SPAN = 1536
-_SM90_SHORT_FORWARD = {128: ForwardConfig(64, 64, 4, 3, edge_stages=1)}
+_SM90_SHORT_FORWARD = {128: ForwardConfig(64, 64, 4, 3, tma=True)}
 # sm90 backwards for short spans of windowed or varlen bands (the kernel variants that spill most):
 # dK/dV streams 32 query rows per step (8 x 2k causal documents, varlen: dK/dV 1.36 -> 0.82 ms; window
 # 1024: 1.08 -> 0.82). Dense short sequences lose with it (N=1k fwd+bwd 1.59 -> 1.81 ms), as does a
-# long span (16k causal dK/dV 4.13 -> 4.84 ms).
-_SM90_SHORT_BACKWARD = {128: BackwardConfig(32, 128, 128, 64, 8, 2, 3)}
+# long span (16k causal dK/dV 4.13 -> 4.84 ms). With TMA: window 1024 1.28 -> 1.21 ms, documents 1.33 -> 1.27.
+_SM90_SHORT_BACKWARD = {128: BackwardConfig(32, 128, 128, 64, 8, 2, 3, tma=True)}
 
 # Other CUDA GPUs (smaller shared memory than Hopper): conservative tiles.
 _CUDA_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
@@ -127,8 +141,9 @@ def forward_config(arch: str, head_dim: int, dtype: torch.dtype, span: int) -> F
 
 
 def backward_config(
-    arch: str, head_dim: int, dtype: torch.dtype, *, span: int, windowed: bool, varlen: bool
+    arch: str, head_dim: int, dtype: torch.dtype, *, span: int, windowed: bool, causal: bool, varlen: bool
 ) -> BackwardConfig:
+    """``windowed``: the band has a left bound; ``causal``: only a right bound (causal or alike)."""
     if arch == "interpreter":
         return _INTERPRETER_BACKWARD
     bucket, _, cfg = _row(arch, head_dim)
@@ -136,6 +151,8 @@ def backward_config(
         short = _SM90_SHORT_BACKWARD.get(bucket) if span <= SHORT_SPAN and (windowed or varlen) else None
         if short is not None:
             cfg = short
+        elif causal:
+            cfg = _SM90_CAUSAL_BACKWARD.get(bucket, cfg)
         elif windowed:
             # A left bound adds the dK/dV kernel's second edge loop; at 3 stages it then spills
             # (window 1024, d128: 2.9 ms against 1.1 at 2 stages).

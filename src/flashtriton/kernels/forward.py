@@ -19,6 +19,8 @@ Feature flags (tl.constexpr; params.py has the semantics)
                window band: its full tiles unmasked, its partial tiles through MASK_MOD
   MASK_MOD, SCORE_MOD, SCORE_GRAD   user @triton.jit functions (mods.py) or None, with their
                tensors in the tuples MASK_TENSORS / SCORE_TENSORS
+  K_DESC, V_DESC   tensor descriptors of K and V's (rows, heads * D) views, or None: whole in-bounds
+               tiles then come through the copy engine (TMA) instead of pointer loads
 
 Grid: (cdiv(N_Q, BLOCK_M), B * H), with N_Q the longest sequence under VARLEN. One program computes
 O[b, m0:m0+BLOCK_M, h, :] and its LSE:
@@ -43,6 +45,7 @@ from .common import (
     dropout_keep,
     key_range,
     listed,
+    load_block,
     load_tile,
     logits,
     sequence,
@@ -54,7 +57,7 @@ from .common import (
 
 @triton.jit
 def _attend_tiles(
-    acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+    acc, l_i, m_i, q, k_ptrs, v_ptrs, k_tma, v_tma, stride_kn, stride_vn,
     rows, cols0, offs_d, lo, hi, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
     seed, threshold, b, h, MASK_TENSORS, SCORE_TENSORS,
     D: tl.constexpr, BLOCK_N: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -68,14 +71,14 @@ def _attend_tiles(
     MASKED tiles get the bounds and window mask and, with APPLY_MOD, the user's MASK_MOD;
     IN_BOUNDS: every key is < N_K, so K and V load without a bounds mask. STAGES: this loop's
     software-pipeline depth (None: the launch's num_stages); one loop over all listed tiles lets
-    the pipeline prefetch across them.
+    the pipeline prefetch across them. k_tma, v_tma: load_block's descriptors for in-bounds tiles.
     """
     # Plain scores stay raw and take qk_scale inside the exp2's FMA; modified ones arrive in base 2.
     PLAIN: tl.constexpr = not (SOFTCAP or ALIBI or SCORE_MOD is not None)
     STEP: tl.constexpr = BLOCK_N if LIST is None else 1
     for it in tl.range(lo * SUB, hi * SUB, STEP, num_stages=STAGES):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, tile_start(it, LIST, BLOCK_N, SUB),
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, k_tma, v_tma, stride_kn, stride_vn, tile_start(it, LIST, BLOCK_N, SUB),
             rows, cols0, offs_d, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
             seed, threshold, b, h, MASK_TENSORS, SCORE_TENSORS,
             D, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, MASKED, APPLY_MOD, IN_BOUNDS,
@@ -89,7 +92,7 @@ def _attend_tiles(
 
 @triton.jit
 def _attend_tile(
-    acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_n,
+    acc, l_i, m_i, q, k_ptrs, v_ptrs, k_tma, v_tma, stride_kn, stride_vn, start_n,
     rows, cols0, offs_d, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
     seed, threshold, b, h, MASK_TENSORS, SCORE_TENSORS,
     D: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -102,7 +105,7 @@ def _attend_tile(
         k_ptrs += start_n.to(tl.int64) * stride_kn
         v_ptrs += start_n.to(tl.int64) * stride_vn
     cols = start_n + cols0
-    k = load_tile(k_ptrs, cols, N_K, offs_d, D, IN_BOUNDS, EVEN_D)
+    k = load_block(k_tma, start_n, k_ptrs, cols, N_K, offs_d, D, IN_BOUNDS, EVEN_D)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     s_scale = qk_scale
     if not PLAIN:
@@ -129,7 +132,7 @@ def _attend_tile(
     if DROPOUT:
         # the softmax sum above is of the undropped P; only the product with V sees the mask
         p = tl.where(dropout_keep(seed, b, h, rows[:, None], cols[None, :], threshold), p, 0.0)
-    v = load_tile(v_ptrs, cols, N_K, offs_d, D, IN_BOUNDS, EVEN_D)
+    v = load_block(v_tma, start_n, v_ptrs, cols, N_K, offs_d, D, IN_BOUNDS, EVEN_D)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     m_i = m_new
     return acc, l_i, m_i
@@ -137,7 +140,7 @@ def _attend_tile(
 
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H", "GROUP", "window_left", "window_right", "seed", "threshold"])
 def attention_forward_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, K_DESC, V_DESC,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -158,10 +161,14 @@ def attention_forward_kernel(
     h = (pid_bh % H).to(tl.int64)
     hk = h // GROUP
     m0 = pid_m * BLOCK_M
+    kv_row = b * N_K  # of K and V's (rows, heads * D) views; a varlen sequence's first row instead
     q_start, k_start, N_Q, N_K = sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, N_Q, N_K, VARLEN)
     if VARLEN:
         if m0 >= N_Q:
             return
+        kv_row = k_start
+    k_tma = (K_DESC, kv_row, (hk * D).to(tl.int32))
+    v_tma = (V_DESC, kv_row, (hk * D).to(tl.int32))
     slope = 0.0
     if ALIBI:
         slope = tl.load(ALIBI_SLOPES + b * H + h)
@@ -188,7 +195,7 @@ def attention_forward_kernel(
         for i in tl.static_range(2):
             tiles, count = listed(i, FULL_NUM, FULL_IDX, TILE_NUM, TILE_IDX, row, tl.cdiv(N_K, SPARSE_BLOCK_N))
             acc, l_i, m_i = _attend_tiles(
-                acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, rows, cols0, offs_d, 0, count,
+                acc, l_i, m_i, q, k_base, v_base, k_tma, v_tma, stride_kn, stride_vn, rows, cols0, offs_d, 0, count,
                 N_Q, N_K, qk_scale, softcap, slope, window_left, window_right, seed, threshold, b, h,
                 MASK_TENSORS, SCORE_TENSORS, D, BLOCK_N, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD,
                 i == 1 or not EVEN_N, i == 1, EVEN_N, EVEN_D, DOT_PRECISION, None, tiles, SPARSE_BLOCK_N // BLOCK_N,
@@ -201,11 +208,11 @@ def attention_forward_kernel(
             start, end = band_stretch(i, lo, full_lo, full_hi, hi, N_K // BLOCK_N * BLOCK_N)
             offset = tl.cast(start, tl.int64)
             acc, l_i, m_i = _attend_tiles(
-                acc, l_i, m_i, q, k_base + offset * stride_kn, v_base + offset * stride_vn, stride_kn, stride_vn,
-                rows, cols0, offs_d, start, end, N_Q, N_K, qk_scale, softcap, slope, window_left, window_right,
-                seed, threshold, b, h, MASK_TENSORS, SCORE_TENSORS,
+                acc, l_i, m_i, q, k_base + offset * stride_kn, v_base + offset * stride_vn, k_tma, v_tma,
+                stride_kn, stride_vn, rows, cols0, offs_d, start, end, N_Q, N_K, qk_scale, softcap, slope,
+                window_left, window_right, seed, threshold, b, h, MASK_TENSORS, SCORE_TENSORS,
                 D, BLOCK_N, LEFT, RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_MOD, SCORE_MOD, i != 1, False, i != 3, EVEN_D,
-                DOT_PRECISION, None if i == 1 else EDGE_STAGES,
+                DOT_PRECISION, None if i == 1 else (1 if i == 3 else EDGE_STAGES),
             )  # fmt: skip
 
     # epilogue: normalise once; rows that saw no key get O = 0 and LSE = +inf
