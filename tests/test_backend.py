@@ -30,3 +30,17 @@ def test_triton_on_cpu_needs_interpreter(monkeypatch):
     monkeypatch.setattr(triton_backend, "interpreting", lambda: False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         ops.select_backend(torch.device("cpu"), torch.float32)
+
+
+def test_tma_view_only_for_layouts_the_copy_engine_can_read():
+    x = torch.zeros(2, 10, 3, 16, dtype=torch.bfloat16)
+    desc = triton_backend._tma_view(x, 8, 16, enabled=True)
+    assert desc.shape == [20, 48] and desc.strides == [48, 1] and desc.block_shape == [8, 16]
+    # a packed qkv slice: rows 3x wider than the heads, base 96 bytes in (16-byte aligned)
+    qkv = torch.zeros(2, 10, 3, 3, 16, dtype=torch.bfloat16)
+    assert triton_backend._tma_view(qkv[:, :, 1], 8, 16, enabled=True).strides == [144, 1]
+    assert triton_backend._tma_view(x, 8, 16, enabled=False) is None
+    assert triton_backend._tma_view(x[..., :12], 8, 16, enabled=True) is None  # head dim padded to 16
+    assert triton_backend._tma_view(x[:, :5], 8, 16, enabled=True) is None  # batches not back to back
+    odd = torch.zeros(2 * 10 * 3 * 16 + 1, dtype=torch.bfloat16)[1:].view(2, 10, 3, 16)
+    assert triton_backend._tma_view(odd, 8, 16, enabled=True) is None  # base not 16-byte aligned
