@@ -3,7 +3,8 @@
 ``flashtriton::attention_forward`` and ``flashtriton::attention_backward`` are opaque to
 torch.compile, which traces them through their fake implementations (no graph break), and the
 autograd formula connects the two. Inputs arrive validated from the public API; these ops only
-pick a backend and call its launcher.
+pick a backend and call its launcher. Plain eager calls run the same two functions through a
+torch.autograd.Function instead (``attention`` chooses), skipping the ops' argument dispatch.
 
 Backend: environment variable FLASHTRITON_BACKEND, read at each call:
   auto (default)  Triton kernels for fp16/bf16 CUDA tensors, the PyTorch path for anything else
@@ -15,6 +16,7 @@ Backend: environment variable FLASHTRITON_BACKEND, read at each call:
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from types import ModuleType
 
 import torch
@@ -105,6 +107,19 @@ def _params(
     )  # fmt: skip
 
 
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams):
+    if q.numel() == 0 or k.numel() == 0:
+        # nothing to compute, or no key at all: every row is empty
+        return torch.zeros_like(q), q.new_full(lse_shape(q, params.varlen), float("inf"), dtype=torch.float32)
+    return select_backend(q.device, q.dtype).forward(q, k, v, params)
+
+
+def _backward_grads(dout, dlse, q, k, v, out, lse, params: AttentionParams):
+    if q.numel() == 0 or k.numel() == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    return select_backend(q.device, q.dtype).backward(dout, dlse, q, k, v, out, lse, params)
+
+
 @torch.library.custom_op("flashtriton::attention_forward", mutates_args=())
 def attention_forward(
     q: torch.Tensor,
@@ -134,10 +149,7 @@ def attention_forward(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
         alibi_slopes, dropout_p, dropout_seed, sparse, sparse_shape, mask_mod, mask_tensors, score_mod, score_tensors,
     )  # fmt: skip
-    if q.numel() == 0 or k.numel() == 0:
-        # nothing to compute, or no key at all: every row is empty
-        return torch.zeros_like(q), q.new_full(lse_shape(q, params.varlen), float("inf"), dtype=torch.float32)
-    return select_backend(q.device, q.dtype).forward(q, k, v, params)
+    return _forward(q, k, v, params)
 
 
 @attention_forward.register_fake
@@ -174,13 +186,11 @@ def attention_backward(
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv. Every backend's backward is deterministic, so ``deterministic`` needs no branch."""
-    if q.numel() == 0 or k.numel() == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     params = _params(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
         alibi_slopes, dropout_p, dropout_seed, sparse, sparse_shape, mask_mod, mask_tensors, score_mod, score_tensors,
     )  # fmt: skip
-    return select_backend(q.device, q.dtype).backward(dout, dlse, q, k, v, out, lse, params)
+    return _backward_grads(dout, dlse, q, k, v, out, lse, params)
 
 
 @attention_backward.register_fake
@@ -213,6 +223,26 @@ def _backward(ctx, dout, dlse):
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerAttention(torch.autograd.Function):
+    """The custom ops' computation and autograd formula without their dispatch: torch.library's
+    argument handling (defaults, pytree over the Tensor[] schema) costs about as much host time as a
+    small attention call's kernels, so plain eager calls come here; tracing goes through the ops."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, params: AttentionParams):
+        out, lse = _forward(q, k, v, params)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.params = params
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout
+        dlse = torch.zeros_like(lse) if dlse is None else dlse
+        return *_backward_grads(dout, dlse, q, k, v, out, lse, ctx.params), None
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -221,5 +251,13 @@ def attention(
     dropout_seed: torch.Tensor | None,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable attention through the custom op; dropout_seed: (1,) int64 CPU tensor, or None."""
-    return attention_forward(q, k, v, *_flat(params, dropout_seed), deterministic)
+    """Differentiable attention; dropout_seed: (1,) int64 CPU tensor, or None.
+
+    Under torch.compile / export, or for tensor subclasses (fake, functional tensors), through the
+    custom ops; plain eager tensors take the same computation without the ops' dispatch.
+    """
+    if torch.compiler.is_compiling() or type(q) is not torch.Tensor:
+        return attention_forward(q, k, v, *_flat(params, dropout_seed), deterministic)
+    if dropout_seed is not None:
+        params = replace(params, dropout_seed=int(dropout_seed.item()))
+    return _EagerAttention.apply(q, k, v, params)
