@@ -72,6 +72,9 @@ def main() -> None:
     doc_len = n // DOCUMENTS
     doc_ids = (torch.arange(n, device=dev) // doc_len).to(torch.int32)
     cu_seqlens = torch.arange(0, n + 1, doc_len, device=dev, dtype=torch.int32)
+    # varlen callers hold packed (total, H, D) leaves: slicing q[0] would add a select's backward (a
+    # zero-filled copy of each input) to the timed step
+    packed = [x[0].detach().requires_grad_() for x in (q, k, v)]
     positions = torch.arange(n, device=dev)
 
     def flex_window(b, hh, qi, ki):
@@ -93,8 +96,8 @@ def main() -> None:
         },
         "document8": {
             "flashtriton (varlen)": lambda: flashtriton.flash_attn_varlen_func(
-                q[0], k[0], v[0], cu_seqlens, cu_seqlens, doc_len, doc_len, causal=True
-            ).unsqueeze(0),
+                *packed, cu_seqlens, cu_seqlens, doc_len, doc_len, causal=True
+            ),
             "flashtriton (block mask)": lambda: flashtriton.flash_attn_func(q, k, v, block_mask=document_bm),
             "flex": _flex(q, k, v, flex_block_mask(flex_document, None, None, n, n, device=dev)),
             "sdpa (dense mask)": _sdpa(q, k, v, flex_document(0, 0, positions[:, None], positions[None, :])),
@@ -106,7 +109,7 @@ def main() -> None:
     for case, providers in cases.items():
         for provider, fn in providers.items():
             for mode, backward in (("fwd", False), ("fwd_bwd", True)):
-                ms = _time(fn, backward, (q, k, v))
+                ms = _time(fn, backward, (q, k, v, *packed))
                 rows.append(dict(case=case, provider=provider, mode=mode, ms=ms))
     results["masks"] = rows
 

@@ -469,3 +469,15 @@ def test_mods_compile_for_sm90():
         env=env, cwd=tests, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_mean_span_counts_listed_keys_and_sees_in_place_edits():
+    # 4 query tiles x 5 key tiles of 16: rows list 1, 2, 3 and 5 tiles (full lists only: no mask_mod)
+    layout = torch.zeros(1, 1, 4, 5, dtype=torch.bool)
+    for row, tiles in enumerate((1, 2, 3, 5)):
+        layout[0, 0, row, :tiles] = True
+    mask = BlockMask.from_layout(layout, (16, 16), seqlen_q=64, seqlen_k=80)
+    assert mask.mean_span() == round(11 / 4 * 16)
+    # the count is read once per tensor version: an in-place write is seen at the next call
+    mask.kv_num_blocks.fill_(5)
+    assert mask.mean_span() == min(80, round((4 * 5 + 11) / 4 * 16))

@@ -140,8 +140,11 @@ def _sparse_block(size: int, mask: BlockMask | None, axis: int) -> int:
 
 
 def _span(p: AttentionParams, n_q: int, n_k: int) -> int:
-    """About how many keys a query row sees: the window's width when bounded on both sides; half
-    the keys under a causal-like bound (right only, rows aligned bottom-right); else all n_k."""
+    """About how many keys a query row sees: a BlockMask's mean listed keys; the window's width when
+    bounded on both sides; half the keys under a causal-like bound (right only, rows aligned
+    bottom-right); else all n_k."""
+    if p.block_mask is not None:
+        return p.block_mask.mean_span()
     if p.window_right == NO_BOUND:
         return n_k
     if p.window_left == NO_BOUND:
@@ -210,6 +213,7 @@ def backward(
     cfg = config.backward_config(
         arch, head_dim, run_dtype, span=_span(p, n_q, n_k), windowed=p.window_left != NO_BOUND,
         causal=p.window_left == NO_BOUND and p.window_right != NO_BOUND, varlen=p.varlen,
+        sparse=p.block_mask is not None,
     )  # fmt: skip
     runtime, flags = _features(p)
     flags.update(SCORE_GRAD=p.score_mod.grad if p.score_mod else None)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from itertools import pairwise
+from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -130,22 +132,24 @@ def check_alibi_slopes(alibi_slopes: torch.Tensor, batch: int, nheads: int, devi
 
 
 # cu_seqlens already read to the host: tensor -> (its version counter then, its values)
-_HOST_VALUES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_HOST_READS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _host_values(cu: torch.Tensor) -> list[int]:
-    """cu.tolist(), synchronising only for a tensor not read before or written in place since.
+def host_read(x: torch.Tensor, read: Callable[[torch.Tensor], Any]) -> Any:
+    """read(x), which brings device values to the host, synchronising only for a tensor not read
+    before or written in place since.
 
     torch bumps a tensor's version counter on every in-place write through torch (views included),
     so a cached read is stale exactly when the counter moved. Writes that bypass torch (a raw
     pointer handed to another library) are not seen: pass a fresh tensor after such a write.
+    One read function per tensor: the cache keeps the last.
     """
-    cached = _HOST_VALUES.get(cu)
-    if cached is not None and cached[0] == cu._version:
+    cached = _HOST_READS.get(x)
+    if cached is not None and cached[0] == x._version:
         return cached[1]
-    values = cu.tolist()
-    _HOST_VALUES[cu] = (cu._version, values)
-    return values
+    value = read(x)
+    _HOST_READS[x] = (x._version, value)
+    return value
 
 
 def check_varlen(
@@ -163,7 +167,7 @@ def check_varlen(
 
     Reads cu_seqlens on the host to check their values: one device sync the first time a tensor is
     seen, none while the same tensor comes back unmodified (a model's layers share one batch's
-    cu_seqlens); see _host_values.
+    cu_seqlens); see host_read.
     """
     check_tensor("q", q, 3, "(total_q, nheads, headdim)")
     check_tensor("k", k, 3, "(total_k, nheads_k, headdim)")
@@ -186,7 +190,7 @@ def check_varlen(
         ("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),
         ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k),
     ):
-        starts = _host_values(cu)
+        starts = host_read(cu, torch.Tensor.tolist)
         lengths = [b - a for a, b in pairwise(starts)]
         if starts[0] != 0:
             raise ValueError(f"{name} must start at 0 (cumulative sequence lengths), got {name}[0] = {starts[0]}")

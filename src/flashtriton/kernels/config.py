@@ -3,7 +3,8 @@
 A config is looked up by (arch, head-dim bucket, dtype) and the length of its loops: the forward
 by ``span``, about how many keys a query row sees (short bands, e.g. a window of 1k or 2k-token
 causal documents, prefer smaller tiles: more programs per SM hide each one's start and end), the
-backward by the same span, ``windowed`` (the band has a left bound), ``causal`` and ``varlen``.
+backward by the same span, ``windowed`` (the band has a left bound), ``causal``, ``varlen`` and
+``sparse`` (a BlockMask, whose span is its mean listed keys).
 ``tma``: the streamed tiles come through the copy engine (tensor descriptors) where the layout allows.
 ``arch`` is ``"sm90"`` for Hopper, ``"cuda"`` for any other CUDA GPU, and ``"interpreter"`` for
 Triton's CPU interpreter, where tiles are small so that tiny test shapes still span several tiles
@@ -58,7 +59,8 @@ _INTERPRETER_BACKWARD = BackwardConfig(16, 16, 16, 16, num_warps=1, stages_kv=1,
 
 # (max head dim, forward, backward) for 2-byte dtypes; first row whose head dim fits wins.
 # tma=True rows won H200 A/Bs against pointer loads (2026-11-21, NOTES item 12): D=128 forward +2-3%,
-# backwards +5-7% (D=64 +7%); the D=64 forward was level, so it keeps pointer loads; D=256 is untested.
+# backwards +5-7% (D=64 +7%), D=256 forward +12-17% and backward +16-23% (its pointer loads spilled);
+# the D=64 forward was level, so it keeps pointer loads.
 # Triton 3.6's ptxas crashes (SIGSEGV) on some TMA kernels whose loops differ in pipeline depth by one
 # (main 3 / edges 2, or main 2 / ragged tile 1): TMA rows keep edge_stages None or 1 below 3 stages.
 _SM90_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
@@ -68,7 +70,7 @@ _SM90_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
         ForwardConfig(128, 128, 8, 3, tma=True),
         BackwardConfig(64, 128, 128, 64, 8, 3, 3, edge_stages=1, tma=True),
     ),
-    (256, ForwardConfig(128, 64, 8, 2, edge_stages=1), BackwardConfig(64, 64, 64, 64, 8, 2, 2)),
+    (256, ForwardConfig(128, 64, 8, 2, edge_stages=1, tma=True), BackwardConfig(64, 64, 64, 64, 8, 2, 2, 1, tma=True)),
 )
 # sm90 backwards of causal-like bands (right bound only), by head dim: pointer loads with 2-stage edges
 # beat TMA there (D=128 causal 16k: 7.07 against 7.29 ms; 4k: 2.08 against 2.11).
@@ -141,14 +143,24 @@ def forward_config(arch: str, head_dim: int, dtype: torch.dtype, span: int) -> F
 
 
 def backward_config(
-    arch: str, head_dim: int, dtype: torch.dtype, *, span: int, windowed: bool, causal: bool, varlen: bool
+    arch: str,
+    head_dim: int,
+    dtype: torch.dtype,
+    *,
+    span: int,
+    windowed: bool,
+    causal: bool,
+    varlen: bool,
+    sparse: bool,
 ) -> BackwardConfig:
-    """``windowed``: the band has a left bound; ``causal``: only a right bound (causal or alike)."""
+    """``windowed``: the band has a left bound; ``causal``: only a right bound (causal or alike);
+    ``sparse``: a BlockMask's tile lists, whose span is their mean."""
     if arch == "interpreter":
         return _INTERPRETER_BACKWARD
     bucket, _, cfg = _row(arch, head_dim)
     if arch == "sm90":
-        short = _SM90_SHORT_BACKWARD.get(bucket) if span <= SHORT_SPAN and (windowed or varlen) else None
+        short_band = span <= SHORT_SPAN and (windowed or varlen or sparse)
+        short = _SM90_SHORT_BACKWARD.get(bucket) if short_band else None
         if short is not None:
             cfg = short
         elif causal:
