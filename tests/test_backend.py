@@ -44,3 +44,9 @@ def test_tma_view_only_for_layouts_the_copy_engine_can_read():
     assert triton_backend._tma_view(x[:, :5], 8, 16, enabled=True) is None  # batches not back to back
     odd = torch.zeros(2 * 10 * 3 * 16 + 1, dtype=torch.bfloat16)[1:].view(2, 10, 3, 16)
     assert triton_backend._tma_view(odd, 8, 16, enabled=True) is None  # base not 16-byte aligned
+    spread = torch.zeros(2, 10, 3, 32, dtype=torch.bfloat16)[..., :16]
+    assert triton_backend._tma_view(spread, 8, 16, enabled=True) is None  # heads not packed
+    narrow = torch.zeros(2, 10, 3 * 16 + 4, dtype=torch.bfloat16)[..., :48].view(2, 10, 3, 16)
+    assert triton_backend._tma_view(narrow, 8, 16, enabled=True) is None  # row stride 104 bytes
+    assert triton_backend._tma_view(x[:, :1], 8, 16, enabled=True) is None  # N=1 batches 480 apart
+    assert triton_backend._tma_view(x[:1, :1], 8, 16, enabled=True).shape == [1, 48]

@@ -35,7 +35,7 @@ import torch
 import triton
 
 from .mods import Mod, as_mod, evaluate_mask
-from .validation import host_read
+from .validation import host_read, host_read_cached
 
 DEFAULT_BLOCK_SIZE = (128, 128)
 BLOCK_SIZE_MULTIPLE = 16  # tl.dot needs tiles of at least 16 x 16
@@ -238,14 +238,20 @@ class BlockMask:
     def mean_span(self) -> int:
         """About how many keys a query row visits: listed tiles per query tile, averaged over the
         mask, times the tile width (at most seqlen_k). A launch-config hint, read to the host once
-        per mask (validation.host_read; in-place edits of only the full lists are not seen).
+        per mask (validation.host_read); while a CUDA graph is being captured an unread mask
+        answers seqlen_k (the long-span configs) rather than synchronise.
         """
+        key = ("mean_span", self.block_size, self.seqlen_k, id(self.full_kv_num_blocks))
+        counts = self.kv_num_blocks
+        if counts.is_cuda and torch.cuda.is_current_stream_capturing():
+            found, value = host_read_cached(counts, key)
+            return value if found else self.seqlen_k
 
         def read(counts: torch.Tensor) -> int:
             tiles = counts.sum() + (self.full_kv_num_blocks.sum() if self.full_kv_num_blocks is not None else 0)
             return min(self.seqlen_k, round(tiles.item() / max(counts.numel(), 1) * self.block_size[1]))
 
-        return host_read(self.kv_num_blocks, read)
+        return host_read(counts, key, read)
 
     def sparsity(self) -> float:
         """Fraction of tiles skipped, in [0, 1]: 1 - density()."""

@@ -20,6 +20,7 @@ from dataclasses import replace
 from types import ModuleType
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import torch_backend
 from .block_mask import LIST_FIELDS, BlockMask
@@ -236,10 +237,10 @@ class _EagerAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
+        # autograd passes zeros for an unused output (materialised grads)
         q, k, v, out, lse = ctx.saved_tensors
-        dout = torch.zeros_like(out) if dout is None else dout
-        dlse = torch.zeros_like(lse) if dlse is None else dlse
         return *_backward_grads(dout, dlse, q, k, v, out, lse, ctx.params), None
 
 
@@ -253,10 +254,12 @@ def attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable attention; dropout_seed: (1,) int64 CPU tensor, or None.
 
-    Under torch.compile / export, or for tensor subclasses (fake, functional tensors), through the
-    custom ops; plain eager tensors take the same computation without the ops' dispatch.
+    Plain eager tensors take the computation without the ops' dispatch; anything that watches or
+    records ops goes through the custom ops: torch.compile / export, torch.jit.trace, a dispatch mode
+    (make_fx, FlopCounterMode, checkpoint policies), tensor subclasses (fake, functional tensors).
     """
-    if torch.compiler.is_compiling() or type(q) is not torch.Tensor:
+    traced = torch.compiler.is_compiling() or torch.jit.is_tracing() or _get_current_dispatch_mode() is not None
+    if traced or any(type(x) is not torch.Tensor for x in (q, k, v)):
         return attention_forward(q, k, v, *_flat(params, dropout_seed), deterministic)
     if dropout_seed is not None:
         params = replace(params, dropout_seed=int(dropout_seed.item()))

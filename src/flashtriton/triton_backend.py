@@ -60,7 +60,7 @@ def _tma_view(x: torch.Tensor, block_rows: int, block_d: int, enabled: bool) -> 
     """A (B, N, H, D) tensor as the 2D (B * N, H * D) view whose whole in-bounds tiles the kernels load
     through TMA (common.load_block), or None for pointer loads: when the config does not use TMA, or
     the layout does not fit: D a power of two (a tile's columns are exactly one head), heads packed,
-    batches back to back, base and row stride 16-byte aligned.
+    batches back to back, base and row stride 16-byte aligned, fewer than 2**31 rows.
     """
     batch, n, heads, d = x.shape
     row = x.stride(1)
@@ -71,6 +71,7 @@ def _tma_view(x: torch.Tensor, block_rows: int, block_d: int, enabled: bool) -> 
         and (batch == 1 or x.stride(0) == n * row)
         and row * x.element_size() % 16 == 0
         and x.data_ptr() % 16 == 0
+        and batch * n < 2**31  # TMA coordinates are int32
     )
     if not (enabled and fits):
         return None
@@ -221,8 +222,7 @@ def backward(
     common = dict(H=heads, D=head_dim, BLOCK_D=block_d)
     kernel_args = dict(
         N_Q=n_q, N_K=n_k, qk_scale=p.softmax_scale * LOG2E, softmax_scale=p.softmax_scale, GROUP=heads // heads_k,
-        DOT_PRECISION=_dot_precision(run_dtype), num_warps=cfg.num_warps, EDGE_STAGES=cfg.edge_stages,
-        **common, **runtime, **flags,
+        DOT_PRECISION=_dot_precision(run_dtype), EDGE_STAGES=cfg.edge_stages, **common, **runtime, **flags,
     )  # fmt: skip
     lse_strides = _lse_strides(lse, p.varlen)
 
@@ -244,7 +244,7 @@ def backward(
         *(s for x in (q, k, v, dout, dk, dv) for s in _strides(x, p.varlen)), *lse_strides,
         BLOCK_M=block_m, BLOCK_N=block_n,
         EVEN_M=_even(n_q, _sparse_block(block_m, mask, 0), p), EVEN_N=_even(n_k, block_n, p),
-        num_stages=cfg.stages_kv, **_tile_lists(mask, transposed=True), **kernel_args,
+        num_warps=cfg.num_warps, num_stages=cfg.stages_kv, **_tile_lists(mask, transposed=True), **kernel_args,
     )  # fmt: skip
     block_m, block_n = _tile(cfg.block_m_q, mask, 0), _tile(cfg.block_n_q, mask, 1)
     attention_backward_dq_kernel[(triton.cdiv(n_q, block_m), batch * heads)](
@@ -253,6 +253,7 @@ def backward(
         *(s for x in (q, k, v, dout, dq) for s in _strides(x, p.varlen)), *lse_strides,
         BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=_even(n_q, block_m, p),
         EVEN_N=_even(n_k, _sparse_block(block_n, mask, 1), p),
-        num_stages=cfg.stages_q, **_tile_lists(mask, transposed=False), **kernel_args,
+        num_warps=cfg.warps_q or cfg.num_warps, num_stages=cfg.stages_q, **_tile_lists(mask, transposed=False),
+        **kernel_args,
     )  # fmt: skip
     return tuple(g.view(shape).to(grad_dtype) for g, shape in zip((dq, dk, dv), shapes, strict=True))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from itertools import pairwise
 from typing import Any
 
@@ -135,21 +135,32 @@ def check_alibi_slopes(alibi_slopes: torch.Tensor, batch: int, nheads: int, devi
 _HOST_READS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def host_read(x: torch.Tensor, read: Callable[[torch.Tensor], Any]) -> Any:
-    """read(x), which brings device values to the host, synchronising only for a tensor not read
-    before or written in place since.
+def host_read(x: torch.Tensor, key: Hashable, read: Callable[[torch.Tensor], Any]) -> Any:
+    """read(x), which brings device values to the host, synchronising only for a (tensor, key) not
+    read before or written in place since.
 
     torch bumps a tensor's version counter on every in-place write through torch (views included),
     so a cached read is stale exactly when the counter moved. Writes that bypass torch (a raw
     pointer handed to another library) are not seen: pass a fresh tensor after such a write.
-    One read function per tensor: the cache keeps the last.
+    Inference tensors have no counter and are read every time. Concurrent callers may both read.
     """
-    cached = _HOST_READS.get(x)
+    if x.is_inference():
+        return read(x)
+    reads = _HOST_READS.setdefault(x, {})
+    cached = reads.get(key)
     if cached is not None and cached[0] == x._version:
         return cached[1]
     value = read(x)
-    _HOST_READS[x] = (x._version, value)
+    reads[key] = (x._version, value)
     return value
+
+
+def host_read_cached(x: torch.Tensor, key: Hashable) -> tuple[bool, Any]:
+    """(found, value) of host_read's cache for (x, key), without reading the device."""
+    cached = None if x.is_inference() else _HOST_READS.get(x, {}).get(key)
+    if cached is None or cached[0] != x._version:
+        return False, None
+    return True, cached[1]
 
 
 def check_varlen(
@@ -190,7 +201,7 @@ def check_varlen(
         ("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),
         ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k),
     ):
-        starts = host_read(cu, torch.Tensor.tolist)
+        starts = host_read(cu, "values", torch.Tensor.tolist)
         lengths = [b - a for a, b in pairwise(starts)]
         if starts[0] != 0:
             raise ValueError(f"{name} must start at 0 (cumulative sequence lengths), got {name}[0] = {starts[0]}")

@@ -10,7 +10,7 @@ backward by the same span, ``windowed`` (the band has a left bound), ``causal``,
 Triton's CPU interpreter, where tiles are small so that tiny test shapes still span several tiles
 and reach every boundary path.
 The sm90 rows won H200 sweeps (benchmarks/NOTES.md); causal and non-causal picked the same tiles
-(the D=128 backward differs in its load path only). The table for other CUDA GPUs is an unmeasured
+(the D=128 backward differs: _SM90_CAUSAL_BACKWARD). The table for other CUDA GPUs is an unmeasured
 starting point that only fits shared memory.
 """
 
@@ -49,6 +49,7 @@ class BackwardConfig:
     stages_q: int  # and of the dQ kernel
     edge_stages: int | None = None  # as ForwardConfig's, in both kernels
     tma: bool = False  # as ForwardConfig's: streamed Q/dO (dK/dV) and K/V (dQ) tiles
+    warps_q: int | None = None  # the dQ kernel's num_warps (None: num_warps)
 
 
 # Rows of the preprocessing kernel (delta = rowsum(dO * O)) per program.
@@ -60,21 +61,27 @@ _INTERPRETER_BACKWARD = BackwardConfig(16, 16, 16, 16, num_warps=1, stages_kv=1,
 # (max head dim, forward, backward) for 2-byte dtypes; first row whose head dim fits wins.
 # tma=True rows won H200 A/Bs against pointer loads (2026-11-21, NOTES item 12): D=128 forward +2-3%,
 # backwards +5-7% (D=64 +7%), D=256 forward +12-17% and backward +16-23% (its pointer loads spilled);
-# the D=64 forward was level, so it keeps pointer loads.
+# the D=64 forward was level, so it keeps pointer loads. D=256's dQ runs at 4 warps (-20%: 26.7 -> 21.4 ms at
+# 16k; D=128's and the short bands' dQ lose 5-47% at 4 warps); D=64's dQ takes 128-row tiles at 8 warps (-1%).
 # Triton 3.6's ptxas crashes (SIGSEGV) on some TMA kernels whose loops differ in pipeline depth by one
 # (main 3 / edges 2, or main 2 / ragged tile 1): TMA rows keep edge_stages None or 1 below 3 stages.
 _SM90_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
-    (64, ForwardConfig(128, 64, 8, 3), BackwardConfig(64, 64, 64, 64, 4, 2, 2, tma=True)),
+    (64, ForwardConfig(128, 64, 8, 3), BackwardConfig(64, 64, 128, 64, 4, 2, 3, tma=True, warps_q=8)),
     (
         128,
         ForwardConfig(128, 128, 8, 3, tma=True),
         BackwardConfig(64, 128, 128, 64, 8, 3, 3, edge_stages=1, tma=True),
     ),
-    (256, ForwardConfig(128, 64, 8, 2, edge_stages=1, tma=True), BackwardConfig(64, 64, 64, 64, 8, 2, 2, 1, tma=True)),
+    (
+        256,
+        ForwardConfig(128, 64, 8, 2, edge_stages=1, tma=True),
+        BackwardConfig(64, 64, 64, 64, 8, 2, 2, 1, tma=True, warps_q=4),
+    ),
 )
-# sm90 backwards of causal-like bands (right bound only), by head dim: pointer loads with 2-stage edges
-# beat TMA there (D=128 causal 16k: 7.07 against 7.29 ms; 4k: 2.08 against 2.11).
-_SM90_CAUSAL_BACKWARD = {128: BackwardConfig(64, 128, 128, 64, 8, 3, 3, edge_stages=2)}
+# sm90 backwards of causal-like bands (right bound only), by head dim. D=128: the non-causal row with TMA
+# loses there (16k: 7.56 ms against 6.96 with pointer loads and 2-stage edges); 64 keys per dK/dV program
+# at 4 warps (dQ at 8) beats both: 6.86, and 4k 2.22 / 2.06 -> 1.96.
+_SM90_CAUSAL_BACKWARD = {128: BackwardConfig(32, 64, 128, 64, 4, 3, 3, tma=True, warps_q=8)}
 # sm90 forwards for spans up to SHORT_SPAN keys, by head dim (measured at 128 only: faster for a causal
 # window of 1024, 2k-token causal documents and N = 512; level for dense N = 1k and causal N = 2k; slower
 # for dense N = 2k, span 2048; the threshold lies between). With TMA: window 1024 0.406 -> 0.365 ms.
@@ -116,7 +123,8 @@ def _row(arch: str, head_dim: int) -> tuple[int, ForwardConfig, BackwardConfig]:
 
 
 def _halve_for_fp32(cfg, dtype: torch.dtype):
-    """fp32 tiles take twice the shared memory; halve the streamed tile edge."""
+    """fp32 tiles take twice the shared memory; halve the streamed tile edge. fp32 (not a fast path,
+    and unmeasured) runs with pointer loads and one warp count."""
     if dtype != torch.float32:
         return cfg
     if isinstance(cfg, ForwardConfig):
@@ -159,6 +167,8 @@ def backward_config(
         return _INTERPRETER_BACKWARD
     bucket, _, cfg = _row(arch, head_dim)
     if arch == "sm90":
+        # sparse: suits band-like masks (documents BlockMask fwd+bwd 1.91 -> 1.71 ms); scattered random
+        # tiles at 2-5% density lose 5-7% with it (NOTES item 14)
         short_band = span <= SHORT_SPAN and (windowed or varlen or sparse)
         short = _SM90_SHORT_BACKWARD.get(bucket) if short_band else None
         if short is not None:

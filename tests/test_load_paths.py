@@ -1,0 +1,95 @@
+"""The kernels' two load paths (TMA descriptors and pointer loads) and the two dispatch paths (eager
+autograd.Function and the torch.library ops) give the same answers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from flashtriton import create_block_mask, flash_attn_func, flash_attn_varlen_func, ops, triton_backend
+from flashtriton.kernels import config
+from flashtriton.mods import causal_mask
+from flashtriton.params import AttentionParams
+from helpers import TARGETS
+
+INTERPRETER = any(t.name == "cpu-interp" for t in TARGETS)
+
+
+def _run(q, k, v, p):
+    out, lse = triton_backend.forward(q, k, v, p)
+    dout = torch.randn_like(out)
+    return (out, lse, *triton_backend.backward(dout, torch.zeros_like(lse), q, k, v, out, lse, p))
+
+
+def _cases():
+    torch.manual_seed(0)
+    q = torch.randn(2, 40, 4, 16)
+    k, v = torch.randn(2, 40, 2, 16), torch.randn(2, 40, 2, 16)
+    cu = torch.tensor([0, 23, 80], dtype=torch.int32)
+    mask = create_block_mask(causal_mask(), None, None, 40, 40, block_size=16)
+    return {
+        "window-gqa": ((q, k, v), AttentionParams(0.25, window_left=9, window_right=3)),
+        "causal": ((q, k, v), AttentionParams(0.25, window_right=0)),
+        "varlen": (
+            (q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)),
+            AttentionParams(0.25, window_right=0, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=57, max_seqlen_k=57),
+        ),
+        "block-mask": ((q, k, v), AttentionParams(0.25, block_mask=mask)),
+    }
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="runs the kernels in Triton's interpreter")
+@pytest.mark.parametrize("case", list(_cases()))
+def test_tma_and_pointer_loads_agree_bitwise(case, monkeypatch):
+    (q, k, v), p = _cases()[case]
+    results = []
+    for tma in (True, False):
+        fwd = dataclasses.replace(config._INTERPRETER_FORWARD, tma=tma)
+        bwd = dataclasses.replace(config._INTERPRETER_BACKWARD, tma=tma)
+        monkeypatch.setattr(config, "_INTERPRETER_FORWARD", fwd)
+        monkeypatch.setattr(config, "_INTERPRETER_BACKWARD", bwd)
+        torch.manual_seed(1)
+        results.append(_run(q, k, v, p))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_eager_path_refuses_double_backward():
+    q, k, v = (torch.randn(1, 9, 2, 16, requires_grad=True) for _ in range(3))
+    out = flash_attn_func(q, k, v, causal=True)
+    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"once_differentiable|differentiate"):
+        dq.sum().backward()
+
+
+def test_eager_and_op_paths_agree(monkeypatch):
+    q, k, v = (torch.randn(1, 9, 2, 16, requires_grad=True) for _ in range(3))
+    grads = []
+    for traced in (False, True):
+        monkeypatch.setattr(torch.jit, "is_tracing", lambda traced=traced: traced)  # routes through the ops
+        out, lse, _ = flash_attn_func(q, k, v, window_size=(3, 1), return_attn_probs=True)
+        grads.append((out, lse, *torch.autograd.grad((out.sum() + lse.sum()), (q, k, v))))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_inference_mode_masks_and_cu_seqlens():
+    with torch.inference_mode():
+        q, k, v = (torch.randn(11, 2, 16) for _ in range(3))
+        cu = torch.tensor([0, 4, 11], dtype=torch.int32)
+        out = flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True)
+        mask = create_block_mask(causal_mask(), None, None, 11, 11, block_size=16)
+        assert mask.mean_span() == 11
+        assert torch.isfinite(out).all()
+
+
+def test_ops_module_routes_plain_tensors_to_the_eager_function():
+    q, k, v = (torch.randn(1, 5, 1, 16) for _ in range(3))
+    seen = []
+    original = ops._EagerAttention.apply
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ops._EagerAttention, "apply", lambda *a: seen.append(1) or original(*a))
+        flash_attn_func(q, k, v)
+    assert seen
