@@ -1,0 +1,132 @@
+"""Compile every kernel variant for Hopper (sm90) on a machine without a GPU, through the real launchers.
+
+    python benchmarks/compile_sm90.py [--head-dims 64 128 256 96] [--seqlen 2048]
+
+For each head dim, feature set (dense, causal, window, long window, all features, varlen, block mask)
+and sequence length (the one given: whole tiles; and one less: a ragged last tile), the forward and
+backward launchers run with CPU tensors while a stand-in driver reports an sm90 GPU and kernels are
+compiled, not launched. Prints registers and spill (stack) bytes per kernel from the cubin, and exits
+non-zero if any build fails: Triton 3.6's ptxas segfaults on some TMA kernels (benchmarks/NOTES.md
+item 12), so run this after touching kernels/config.py and before spending GPU time.
+Depends on Triton 3.6 internals (runtime driver, JITFunction.run): a tool, not part of the package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+from flashtriton import mods, triton_backend
+from flashtriton.block_mask import create_block_mask
+from flashtriton.kernels import config
+from flashtriton.params import AttentionParams
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+
+
+class _Hopper:
+    """The few driver calls the launchers make, answered for one sm90 device."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def _usage(kernel) -> tuple[int, int]:
+    """(registers, stack bytes) of a compiled kernel, read from its cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return int(re.search(r"REG:(\d+)", out).group(1)), int(re.search(r"STACK:(\d+)", out).group(1))
+
+
+@contextlib.contextmanager
+def compile_only():
+    """Launches compile for sm90 and return; yields the list of (kernel, registers, stack bytes)."""
+    built = []
+    run = JITFunction.run
+
+    def compile_kernel(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        built.append((self.fn.__name__, *_usage(kernel)))
+        return kernel
+
+    arch_of, interpreting = config.arch_of, triton_backend.interpreting
+    driver.set_active(_Hopper())
+    JITFunction.run = compile_kernel
+    config.arch_of = lambda device, interpreting: "sm90"
+    triton_backend.interpreting = lambda: False
+    try:
+        yield built
+    finally:
+        JITFunction.run, config.arch_of, triton_backend.interpreting = run, arch_of, interpreting
+
+
+def _cases(n: int, head_dim: int) -> dict:
+    scale = head_dim**-0.5
+    cu = torch.tensor([0, n // 3, n], dtype=torch.int32)
+    ids = (torch.arange(n) // max(n // 4, 1)).to(torch.int32)
+    documents = mods.and_masks(mods.document_mask(ids), mods.causal_mask())
+    slopes = torch.rand(2, 8)
+    features = AttentionParams(scale, n // 4, 16, softcap=30.0, alibi_slopes=slopes, dropout_p=0.1, dropout_seed=3)
+    return {
+        "dense": (False, AttentionParams(scale)),
+        "causal": (False, AttentionParams(scale, window_right=0)),
+        "window": (False, AttentionParams(scale, window_left=n // 4, window_right=0)),
+        "long window": (False, AttentionParams(scale, window_left=1800, window_right=16)),  # span > SHORT_SPAN
+        "features": (False, features),
+        "varlen": (
+            True,
+            AttentionParams(scale, window_right=0, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n, max_seqlen_k=n),
+        ),
+        "block mask": (False, AttentionParams(scale, block_mask=create_block_mask(documents, None, None, n, n))),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256, 96])
+    parser.add_argument("--seqlen", type=int, default=2048)
+    args = parser.parse_args()
+    failures = 0
+    for head_dim in args.head_dims:
+        for n in (args.seqlen, args.seqlen - 1):
+            for name, (varlen, params) in _cases(n, head_dim).items():
+                shape = (n, 8, head_dim) if varlen else (2, n, 8, head_dim)
+                q = torch.randn(shape, dtype=torch.bfloat16)
+                k, v = (torch.randn(*shape[:-2], 4, head_dim, dtype=torch.bfloat16) for _ in range(2))
+                with compile_only() as built:
+                    try:
+                        out, lse = triton_backend.forward(q, k, v, params)
+                        triton_backend.backward(out, torch.zeros_like(lse), q, k, v, out, lse, params)
+                        result = "  ".join(f"{kernel[10:]} {regs}r/{stack}B" for kernel, regs, stack in built)
+                    except Exception as error:  # a failed build is the finding: report it and go on
+                        failures += 1
+                        result = f"FAILED after {[kernel for kernel, _, _ in built]}: {type(error).__name__}"
+                print(f"d{head_dim} N={n} {name:12s} {result}", flush=True)
+    print(f"{failures} failed builds")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
