@@ -172,7 +172,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
     out = torch.empty(q.shape, dtype=run_dtype, device=q.device)
 
     arch = config.arch_of(q.device, interpreting())
-    cfg = config.forward_config(arch, head_dim, run_dtype, _span(p, n_q, n_k))
+    plain = not (p.softcap > 0 or p.alibi_slopes is not None or p.dropout_p > 0 or p.score_mod is not None)
+    cfg = config.forward_config(arch, head_dim, run_dtype, _span(p, n_q, n_k), plain)
     runtime, flags = _features(p)
     block_m, block_n = _tile(cfg.block_m, p.block_mask, 0), _tile(cfg.block_n, p.block_mask, 1)
     grid = (triton.cdiv(n_q, block_m), batch * heads)
@@ -185,7 +186,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
         D=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         EVEN_M=_even(n_q, block_m, p), EVEN_N=_even(n_k, _sparse_block(block_n, p.block_mask, 1), p),
         DOT_PRECISION=_dot_precision(run_dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, EDGE_STAGES=cfg.edge_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_registers, EDGE_STAGES=cfg.edge_stages,
         **_tile_lists(p.block_mask, False), **runtime, **flags,
     )  # fmt: skip
     return out.view(shape).to(out_dtype), lse

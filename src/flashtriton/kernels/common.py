@@ -30,13 +30,16 @@ def load_tile(ptrs, rows, n_rows, cols, n_cols, ROWS_IN_BOUNDS: tl.constexpr, CO
 
 @triton.jit
 def load_block(tma, at, ptrs, rows, n_rows, cols, n_cols, ROWS_IN_BOUNDS: tl.constexpr, COLS_IN_BOUNDS: tl.constexpr):
-    """load_tile, but a whole in-bounds tile comes through the copy engine (TMA) when the launcher
-    gave a tensor descriptor: ``tma`` is (descriptor or None, first row, column) of this tensor's 2D
-    view (rows, heads * D), and ``at`` the tile's first row after that first row.
+    """load_tile, but through the copy engine (TMA) when the launcher gave a tensor descriptor: ``tma``
+    is (descriptor or None, first row, column) of this tensor's 2D view (rows, heads * D), whose tiles
+    span whole heads (COLS_IN_BOUNDS), and ``at`` the tile's first row after that first row. A ragged
+    tile's rows past n_rows hold the next sequence's rows there (or zeros past the view): zeroed here.
     """
     desc, row0, col = tma
-    if desc is not None and ROWS_IN_BOUNDS and COLS_IN_BOUNDS:
+    if desc is not None and COLS_IN_BOUNDS:
         x = desc.load([(row0 + at).to(tl.int32), col])
+        if not ROWS_IN_BOUNDS:
+            x = tl.where(rows[:, None] < n_rows, x, 0.0)
     else:
         x = load_tile(ptrs, rows, n_rows, cols, n_cols, ROWS_IN_BOUNDS, COLS_IN_BOUNDS)
     return x

@@ -34,6 +34,9 @@ class ForwardConfig:
     # pipeline depth of a band's edge loops (a few masked tiles each); None: num_stages
     edge_stages: int | None = None
     tma: bool = False  # whole K/V tiles through the copy engine (sm90+) instead of pointer loads
+    # per-thread register cap (Triton's maxnreg) for kernels without score modifiers or dropout (``plain``):
+    # two 8-warp programs per SM need <= 128
+    max_registers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,11 @@ _INTERPRETER_BACKWARD = BackwardConfig(16, 16, 16, 16, num_warps=1, stages_kv=1,
 # Triton 3.6's ptxas crashes (SIGSEGV) on some TMA kernels whose loops differ in pipeline depth by one
 # (main 3 / edges 2, or main 2 / ragged tile 1): TMA rows keep edge_stages None or 1 below 3 stages.
 _SM90_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
-    (64, ForwardConfig(128, 64, 8, 3), BackwardConfig(64, 64, 128, 64, 4, 2, 3, tma=True, warps_q=8)),
+    (
+        64,
+        ForwardConfig(128, 64, 8, 3, max_registers=128),
+        BackwardConfig(64, 64, 128, 64, 4, 2, 3, tma=True, warps_q=8),
+    ),
     (
         128,
         ForwardConfig(128, 128, 8, 3, tma=True),
@@ -141,12 +148,15 @@ def _halve_for_fp32(cfg, dtype: torch.dtype):
     )
 
 
-def forward_config(arch: str, head_dim: int, dtype: torch.dtype, span: int) -> ForwardConfig:
+def forward_config(arch: str, head_dim: int, dtype: torch.dtype, span: int, plain: bool = True) -> ForwardConfig:
+    """``plain``: no softcap, ALiBi, dropout or score_mod (they need registers a cap would spill)."""
     if arch == "interpreter":
         return _INTERPRETER_FORWARD
     bucket, cfg, _ = _row(arch, head_dim)
     if arch == "sm90" and span <= SHORT_SPAN:
         cfg = _SM90_SHORT_FORWARD.get(bucket, cfg)
+    if not plain:
+        cfg = replace(cfg, max_registers=None)
     return _halve_for_fp32(cfg, dtype)
 
 

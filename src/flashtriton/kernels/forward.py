@@ -19,8 +19,8 @@ Feature flags (tl.constexpr; params.py has the semantics)
                window band: its full tiles unmasked, its partial tiles through MASK_MOD
   MASK_MOD, SCORE_MOD, SCORE_GRAD   user @triton.jit functions (mods.py) or None, with their
                tensors in the tuples MASK_TENSORS / SCORE_TENSORS
-  K_DESC, V_DESC   tensor descriptors of K and V's (rows, heads * D) views, or None: whole in-bounds
-               tiles then come through the copy engine (TMA) instead of pointer loads
+  K_DESC, V_DESC   tensor descriptors of K and V's (rows, heads * D) views, or None: K/V tiles then
+               come through the copy engine (TMA) instead of pointer loads
 
 Grid: (cdiv(N_Q, BLOCK_M), B * H), with N_Q the longest sequence under VARLEN. One program computes
 O[b, m0:m0+BLOCK_M, h, :] and its LSE:
