@@ -32,6 +32,7 @@ def _cases():
     return {
         "window-gqa": ((q, k, v), AttentionParams(0.25, window_left=9, window_right=3)),
         "causal": ((q, k, v), AttentionParams(0.25, window_right=0)),
+        "dense": ((q, k, v), AttentionParams(0.25)),  # the backward folds the ragged tile
         "varlen": (
             (q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)),
             AttentionParams(0.25, window_right=0, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=57, max_seqlen_k=57),
