@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from flashtriton import ops, torch_backend, triton_backend
+from flashtriton import flash_attn_func, ops, torch_backend, triton_backend
+from flashtriton.params import AttentionParams
 
 
 def test_auto_picks_torch_path_on_cpu(monkeypatch):
@@ -50,3 +51,40 @@ def test_tma_view_only_for_layouts_the_copy_engine_can_read():
     assert triton_backend._tma_view(narrow, 8, 16, enabled=True) is None  # row stride 104 bytes
     assert triton_backend._tma_view(x[:, :1], 8, 16, enabled=True) is None  # N=1 batches 480 apart
     assert triton_backend._tma_view(x[:1, :1], 8, 16, enabled=True).shape == [1, 48]
+
+
+def test_hopper_forward_scope():
+    """The Gluon forward takes plain dense or causal self-attention of whole tiles only; the portable
+    kernel runs the rest (and the kernel results are tested against the reference in test_attention)."""
+    cfg = triton_backend.config.HopperForwardConfig(64, 128, 3)
+    q = torch.zeros(2, 256, 4, 64, dtype=torch.bfloat16)
+    kv = torch.zeros(2, 256, 2, 64, dtype=torch.bfloat16)
+
+    def fits(q=q, k=kv, plain=True, **params):
+        return triton_backend._hopper_forward_fits(q, k, k, AttentionParams(0.125, **params), plain, cfg)
+
+    assert fits() and fits(window_right=0)
+    assert not fits(plain=False)  # softcap, ALiBi, dropout or a score_mod
+    assert not fits(window_left=8, window_right=0) and not fits(window_right=4)
+    assert not fits(q=q[:, :192])  # 192 rows: not a whole number of 128-row programs
+    assert not fits(k=kv[:, :128])  # cross-attention
+    assert not fits(q=q[..., :48], k=kv[..., :48])  # head dim not a power of two
+    assert triton_backend.config.hopper_forward_config("sm90", 128, torch.float32) is None
+    assert triton_backend.config.hopper_forward_config("cuda", 128, torch.bfloat16) is None
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU"
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_forward_runs_where_it_fits(causal, monkeypatch):
+    calls = []
+    launch = triton_backend._hopper_forward
+    monkeypatch.setattr(triton_backend, "_hopper_forward", lambda *args: calls.append(1) or launch(*args))
+    q, k, v = (torch.randn(2, 1024, h, 128, device="cuda", dtype=torch.bfloat16) for h in (8, 4, 4))
+    out = flash_attn_func(q, k, v, causal=causal)
+    ragged = flash_attn_func(q[:, :1000], k[:, :1000], v[:, :1000], causal=causal)
+    assert len(calls) == 1
+    # the first 1000 rows of causal attention see the same keys in both calls
+    if causal:
+        torch.testing.assert_close(out[:, :1000], ragged, atol=2e-2, rtol=0)

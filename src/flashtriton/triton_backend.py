@@ -6,16 +6,19 @@ new contiguous tensors. Launch parameters come from kernels.config; nothing here
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 from triton import knobs
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import dropout
 from .block_mask import BlockMask
-from .kernels import config
+from .kernels import config, hopper
 from .kernels.backward import (
     attention_backward_dkdv_kernel,
     attention_backward_dq_kernel,
@@ -56,15 +59,13 @@ def _batched(x: torch.Tensor) -> torch.Tensor:
     return x.unsqueeze(0) if x.dim() == 3 else x
 
 
-def _tma_view(x: torch.Tensor, block_rows: int, block_d: int, enabled: bool) -> TensorDescriptor | None:
-    """A (B, N, H, D) tensor as the 2D (B * N, H * D) view whose whole in-bounds tiles the kernels load
-    through TMA (common.load_block), or None for pointer loads: when the config does not use TMA, or
-    the layout does not fit: D a power of two (a tile's columns are exactly one head), heads packed,
-    batches back to back, base and row stride 16-byte aligned, fewer than 2**31 rows.
-    """
+def _tma_fits(x: torch.Tensor, block_d: int) -> bool:
+    """A (B, N, H, D) tensor can be read as the 2D (B * N, H * D) view in TMA tiles of [rows, block_d]:
+    D a power of two (a tile's columns are exactly one head), heads packed, batches back to back, base
+    and row stride 16-byte aligned, fewer than 2**31 rows."""
     batch, n, heads, d = x.shape
     row = x.stride(1)
-    fits = (
+    return (
         d == block_d
         and x.stride(2) == d
         and row >= heads * d
@@ -73,9 +74,55 @@ def _tma_view(x: torch.Tensor, block_rows: int, block_d: int, enabled: bool) -> 
         and x.data_ptr() % 16 == 0
         and batch * n < 2**31  # TMA coordinates are int32
     )
-    if not (enabled and fits):
+
+
+def _tma_view(x: torch.Tensor, block_rows: int, block_d: int, enabled: bool) -> TensorDescriptor | None:
+    """The (B * N, H * D) view of a (B, N, H, D) tensor whose whole in-bounds tiles the Triton kernels
+    load through TMA (common.load_block), or None for pointer loads: when the config does not use TMA,
+    or the layout does not fit (_tma_fits)."""
+    if not (enabled and _tma_fits(x, block_d)):
         return None
-    return TensorDescriptor(x, [batch * n, heads * d], [row, 1], [block_rows, block_d])
+    batch, n, heads, d = x.shape
+    return TensorDescriptor(x, [batch * n, heads * d], [x.stride(1), 1], [block_rows, block_d])
+
+
+@functools.cache
+def _shared_layout(rows: int, d: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+def _gluon_view(x: torch.Tensor, rows: int) -> GluonTensorDescriptor:
+    """_tma_view for the Gluon kernel, whose descriptors also carry their shared-memory layout."""
+    batch, n, heads, d = x.shape
+    layout = _shared_layout(rows, d, x.dtype)
+    return GluonTensorDescriptor(x, [batch * n, heads * d], [x.stride(1), 1], [rows, d], layout)
+
+
+def _hopper_forward_fits(q, k, v, p: AttentionParams, plain: bool, cfg: config.HopperForwardConfig) -> bool:
+    """The Gluon forward's scope (kernels/hopper.py): plain dense or causal self-attention of whole
+    tiles, in layouts TMA reads."""
+    n = q.shape[1]
+    return (
+        plain
+        and not p.varlen
+        and p.block_mask is None
+        and p.window_left == NO_BOUND
+        and p.window_right in (NO_BOUND, 0)
+        and k.shape[1] == n
+        and n % (2 * cfg.block_m) == 0
+        and n % cfg.block_n == 0
+        and all(_tma_fits(x, q.shape[-1]) for x in (q, k, v))
+    )
+
+
+def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperForwardConfig) -> None:
+    batch, n, heads, d = q.shape
+    hopper.attention_forward_sm90_kernel[(n // (2 * cfg.block_m), batch * heads)](
+        _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
+        _gluon_view(out, cfg.block_m), lse, lse.stride(0), lse.stride(1), n, heads, heads // k.shape[2],
+        p.softmax_scale * LOG2E,
+        CAUSAL=p.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d, STAGES=cfg.stages, num_warps=4,
+    )  # fmt: skip
 
 
 def _lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int]:
@@ -173,6 +220,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
 
     arch = config.arch_of(q.device, interpreting())
     plain = not (p.softcap > 0 or p.alibi_slopes is not None or p.dropout_p > 0 or p.score_mod is not None)
+    hopper_cfg = config.hopper_forward_config(arch, head_dim, run_dtype)
+    if hopper_cfg is not None and _hopper_forward_fits(q, k, v, p, plain, hopper_cfg):
+        _hopper_forward(q, k, v, out, lse, p, hopper_cfg)
+        return out.view(shape).to(out_dtype), lse
     cfg = config.forward_config(arch, head_dim, run_dtype, _span(p, n_q, n_k), plain)
     runtime, flags = _features(p)
     block_m, block_n = _tile(cfg.block_m, p.block_mask, 0), _tile(cfg.block_n, p.block_mask, 1)

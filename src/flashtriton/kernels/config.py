@@ -55,6 +55,15 @@ class BackwardConfig:
     warps_q: int | None = None  # the dQ kernel's num_warps (None: num_warps)
 
 
+@dataclass(frozen=True)
+class HopperForwardConfig:
+    """The Gluon sm90 forward (kernels/hopper.py)."""
+
+    block_m: int  # query rows per consumer warpgroup; a program has two
+    block_n: int  # keys per K/V tile
+    stages: int  # K/V tiles in flight (slots of the shared-memory ring)
+
+
 # Rows of the preprocessing kernel (delta = rowsum(dO * O)) per program.
 PREPROCESS_BLOCK_M = 64
 
@@ -99,6 +108,12 @@ _SM90_SHORT_FORWARD = {128: ForwardConfig(64, 64, 4, 3, tma=True)}
 # 1024: 1.08 -> 0.82). Dense short sequences lose with it (N=1k fwd+bwd 1.59 -> 1.81 ms), as does a
 # long span (16k causal dK/dV 4.13 -> 4.84 ms). With TMA: window 1024 1.28 -> 1.21 ms, documents 1.33 -> 1.27.
 _SM90_SHORT_BACKWARD = {128: BackwardConfig(32, 128, 128, 64, 8, 2, 3, tma=True)}
+
+# The Gluon forward on sm90, by head dim (H200, kernel times in one run with cuDNN, B * N = 16k, H * D = 2048,
+# N = 16k, TFLOP/s non-causal / causal): D=128 615 / 591 against the portable kernel's 504 / 472 and cuDNN's
+# 601 / 551; D=64 440 / 412 against 424 / 400 and 452 / 434. Three K/V slots beat two (D=128: 615 against 518);
+# 64-key tiles lose (559).
+_SM90_HOPPER_FORWARD = {64: HopperForwardConfig(64, 128, 3), 128: HopperForwardConfig(64, 128, 3)}
 
 # Other CUDA GPUs (smaller shared memory than Hopper): conservative tiles.
 _CUDA_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
@@ -158,6 +173,13 @@ def forward_config(arch: str, head_dim: int, dtype: torch.dtype, span: int, plai
     if not plain:
         cfg = replace(cfg, max_registers=None)
     return _halve_for_fp32(cfg, dtype)
+
+
+def hopper_forward_config(arch: str, head_dim: int, dtype: torch.dtype) -> HopperForwardConfig | None:
+    """The Gluon forward's config, or None where it does not run (forward_config's kernel does)."""
+    if arch != "sm90" or dtype == torch.float32:
+        return None
+    return _SM90_HOPPER_FORWARD.get(head_dim)
 
 
 def backward_config(

@@ -1,0 +1,163 @@
+"""Hopper (sm90) forward in Gluon: warp-specialised, for the plain dense and causal cases.
+
+The portable Triton kernel (forward.py) runs one 8-warp program per query tile that does softmax
+between its matrix multiplies, so the tensor cores idle while it does (benchmarks/NOTES.md, ncu).
+Here a program holds 2 * BLOCK_M query rows and three partitions:
+
+  producer   1 warp: streams K and V tiles through TMA into a ring of STAGES shared-memory slots
+             (``ready[s]`` says a slot is full, ``empty[s]`` that both consumers are done with it)
+  consumers  2 warpgroups, each owning BLOCK_M query rows, running the online softmax:
+             S = Q K^T (wgmma from shared memory), P = exp2(S * qk_scale - m), O += P V (P from
+             registers). While one warpgroup computes its softmax the other's MMAs run.
+
+Scope (triton_backend dispatches everything else to the portable kernel): bf16/fp16, D of 64 or
+128, no softcap / ALiBi / dropout / varlen / block mask / score_mod, causal or no mask,
+seqlen_q == seqlen_k a multiple of 2 * BLOCK_M and of BLOCK_N, TMA-readable layouts.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, k_bufs, v_bufs, ready, empty, kv_row, col, n_tiles,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    for j in range(n_tiles):
+        s = j % STAGES
+        # a fresh barrier counts as having completed the phase before its first: the first lap passes
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+        bar = ready.index(s)
+        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, col], bar, k_bufs.index(s))
+        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, col], bar, v_bufs.index(s))
+
+
+@gluon.jit
+def _online_softmax(scores, m_i, l_i, rows, first_row, first_col, qk_scale, CAUSAL: gl.constexpr,
+                    BLOCK_N: gl.constexpr):  # fmt: skip
+    """One key tile of the online softmax: (P in log2 units against the new max, new max, new sum, the
+    factor alpha that rescales what was accumulated against the old max)."""
+    scores = scores * qk_scale
+    if CAUSAL:
+        if first_col + BLOCK_N - 1 > first_row:  # the tile crosses the diagonal
+            cols = first_col + gl.arange(0, BLOCK_N, gl.SliceLayout(0, scores.type.layout))
+            scores = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), scores, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(scores, 1))
+    p = gl.exp2(scores - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+
+
+@gluon.jit
+def _consumer(o_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, lse_ptrs, out_row, col, first_row, n_tiles,
+              qk_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+              STAGES: gl.constexpr):  # fmt: skip
+    """One warpgroup's BLOCK_M query rows. Tile j's S = Q K_j^T is issued together with tile j-1's
+    O += P V_{j-1}; the softmax of S_j then runs while that second MMA does."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = q_smem.dtype
+
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    rows = first_row + gl.arange(0, BLOCK_M, rows_s)
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(ready.index(0), 0)
+    scores = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    scores = warpgroup_mma_wait(0, deps=(scores, q_smem))[0]
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows_s)
+    p, m_i, l_i, alpha = _online_softmax(scores, m_i, gl.zeros([BLOCK_M], gl.float32, rows_s), rows, first_row, 0,
+                                         qk_scale,
+                                         CAUSAL, BLOCK_N)  # fmt: skip
+    p = gl.convert_layout(p.to(dtype), p_layout)
+    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+    for j in range(1, n_tiles):
+        s = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+        scores = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        acc = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
+        scores = warpgroup_mma_wait(1, deps=(scores, q_smem))[0]  # S_j done; P V_{j-1} may still run
+        p_next, m_i, l_i, alpha = _online_softmax(
+            scores, m_i, l_i, rows, first_row, j * BLOCK_N, qk_scale, CAUSAL, BLOCK_N
+        )
+        acc = warpgroup_mma_wait(0, deps=(acc, p, v_bufs))[0]
+        mbarrier.arrive(empty.index(prev), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, rows_o), 1)
+        p = gl.convert_layout(p_next.to(dtype), p_layout)
+    last = (n_tiles - 1) % STAGES
+    acc = warpgroup_mma(p, v_bufs.index(last), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc, v_bufs))[0]
+    mbarrier.arrive(empty.index(last), count=1)
+
+    acc = acc / gl.expand_dims(gl.convert_layout(l_i, rows_o), 1)
+    gl.store(lse_ptrs + gl.arange(0, BLOCK_M, rows_s), (m_i + gl.log2(l_i)) * LN2)
+    q_smem.store(acc.to(dtype))  # Q is no longer read: its buffer stages O for the TMA store
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [out_row, col], q_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def attention_forward_sm90_kernel(
+    q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, N, H, GROUP, qk_scale,
+    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """Grid (N / (2 * BLOCK_M), B * H); q/k/v/o_desc: (B * N, heads * D) views, blocks of [rows, D]."""
+    pid_m = gl.program_id(0)
+    if CAUSAL:  # the longest rows first, so the short ones fill the last wave
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    pid_bh = gl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    m0 = pid_m * (2 * BLOCK_M)
+    q_col = h * D
+    kv_col = (h // GROUP) * D
+    q_row = b * N + m0
+    dtype: gl.constexpr = q_desc.dtype
+
+    q_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, D], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_bufs.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + BLOCK_M, q_col], q_bar, q_bufs.index(1))
+
+    n_tiles = N // BLOCK_N
+    if CAUSAL:
+        n_tiles = gl.cdiv(m0 + 2 * BLOCK_M, BLOCK_N)
+    lse = LSE + b * stride_lb + h * stride_lh + m0
+    gl.warp_specialize(
+        [
+            (_consumer, (o_desc, q_bufs.index(0), k_bufs, v_bufs, q_bar, ready, empty, lse, q_row, q_col, m0,
+                         n_tiles, qk_scale, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES)),
+            (_consumer, (o_desc, q_bufs.index(1), k_bufs, v_bufs, q_bar, ready, empty, lse + BLOCK_M,
+                         q_row + BLOCK_M, q_col, m0 + BLOCK_M, n_tiles, qk_scale, CAUSAL, BLOCK_M, BLOCK_N, D,
+                         STAGES)),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, b * N, kv_col, n_tiles, BLOCK_N, STAGES)),
+        ],
+        [4, 1],
+        [232, 24],
+    )  # fmt: skip
