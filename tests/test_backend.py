@@ -69,8 +69,12 @@ def test_hopper_forward_scope():
     assert not fits(q=q[:, :192])  # 192 rows: not a whole number of 128-row programs
     assert not fits(k=kv[:, :128])  # cross-attention
     assert not fits(q=q[..., :48], k=kv[..., :48])  # head dim not a power of two
-    assert triton_backend.config.hopper_forward_config("sm90", 128, torch.float32) is None
-    assert triton_backend.config.hopper_forward_config("cuda", 128, torch.bfloat16) is None
+    config = triton_backend.config
+    assert config.hopper_forward_config("sm90", 128, torch.bfloat16, span=512) is not None
+    assert config.hopper_forward_config("sm90", 128, torch.float32, span=512) is None
+    assert config.hopper_forward_config("cuda", 128, torch.bfloat16, span=512) is None
+    assert config.hopper_forward_config("sm90", 64, torch.bfloat16, span=1024) is None  # D=64: short spans
+    assert config.hopper_forward_config("sm90", 64, torch.bfloat16, span=2048) is not None
 
 
 @pytest.mark.skipif(

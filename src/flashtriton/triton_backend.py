@@ -220,11 +220,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
 
     arch = config.arch_of(q.device, interpreting())
     plain = not (p.softcap > 0 or p.alibi_slopes is not None or p.dropout_p > 0 or p.score_mod is not None)
-    hopper_cfg = config.hopper_forward_config(arch, head_dim, run_dtype)
+    span = _span(p, n_q, n_k)
+    hopper_cfg = config.hopper_forward_config(arch, head_dim, run_dtype, span)
     if hopper_cfg is not None and _hopper_forward_fits(q, k, v, p, plain, hopper_cfg):
         _hopper_forward(q, k, v, out, lse, p, hopper_cfg)
         return out.view(shape).to(out_dtype), lse
-    cfg = config.forward_config(arch, head_dim, run_dtype, _span(p, n_q, n_k), plain)
+    cfg = config.forward_config(arch, head_dim, run_dtype, span, plain)
     runtime, flags = _features(p)
     block_m, block_n = _tile(cfg.block_m, p.block_mask, 0), _tile(cfg.block_n, p.block_mask, 1)
     grid = (triton.cdiv(n_q, block_m), batch * heads)

@@ -62,6 +62,7 @@ class HopperForwardConfig:
     block_m: int  # query rows per consumer warpgroup; a program has two
     block_n: int  # keys per K/V tile
     stages: int  # K/V tiles in flight (slots of the shared-memory ring)
+    min_span: int = 0  # shorter spans (as forward_config's) run the portable kernel
 
 
 # Rows of the preprocessing kernel (delta = rowsum(dO * O)) per program.
@@ -112,8 +113,11 @@ _SM90_SHORT_BACKWARD = {128: BackwardConfig(32, 128, 128, 64, 8, 2, 3, tma=True)
 # The Gluon forward on sm90, by head dim (H200, kernel times in one run with cuDNN, B * N = 16k, H * D = 2048,
 # N = 16k, TFLOP/s non-causal / causal): D=128 615 / 591 against the portable kernel's 504 / 472 and cuDNN's
 # 601 / 551; D=64 440 / 412 against 424 / 400 and 452 / 434. Three K/V slots beat two (D=128: 615 against 518);
-# 64-key tiles lose (559).
-_SM90_HOPPER_FORWARD = {64: HopperForwardConfig(64, 128, 3), 128: HopperForwardConfig(64, 128, 3)}
+# 64-key tiles lose (559). Same-run bench (results/h200-2026-11-21-gluon): D=128 faster at every N (fwd x cuDNN
+# 0.77-0.85 -> 0.81-1.03, causal 0.75-0.85 -> 0.76-1.08); D=64 only from a span of 2048 keys (N=16k 5.27 -> 4.88 ms,
+# causal 2.66 -> 2.53), slower below (N=512 0.213 -> 0.252 ms, causal N=2048 0.403 -> 0.432), where the portable
+# kernel runs two capped 8-warp programs per SM.
+_SM90_HOPPER_FORWARD = {64: HopperForwardConfig(64, 128, 3, min_span=2048), 128: HopperForwardConfig(64, 128, 3)}
 
 # Other CUDA GPUs (smaller shared memory than Hopper): conservative tiles.
 _CUDA_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
@@ -175,11 +179,10 @@ def forward_config(arch: str, head_dim: int, dtype: torch.dtype, span: int, plai
     return _halve_for_fp32(cfg, dtype)
 
 
-def hopper_forward_config(arch: str, head_dim: int, dtype: torch.dtype) -> HopperForwardConfig | None:
+def hopper_forward_config(arch: str, head_dim: int, dtype: torch.dtype, span: int) -> HopperForwardConfig | None:
     """The Gluon forward's config, or None where it does not run (forward_config's kernel does)."""
-    if arch != "sm90" or dtype == torch.float32:
-        return None
-    return _SM90_HOPPER_FORWARD.get(head_dim)
+    cfg = _SM90_HOPPER_FORWARD.get(head_dim) if arch == "sm90" and dtype != torch.float32 else None
+    return cfg if cfg is not None and span >= cfg.min_span else None
 
 
 def backward_config(
