@@ -56,15 +56,14 @@ def test_tma_view_only_for_layouts_the_copy_engine_can_read():
 def test_hopper_forward_scope():
     """The Gluon forward takes plain dense or causal self-attention of whole tiles only; the portable
     kernel runs the rest (and the kernel results are tested against the reference in test_attention)."""
-    cfg = triton_backend.config.HopperForwardConfig(64, 128, 3)
     q = torch.zeros(2, 256, 4, 64, dtype=torch.bfloat16)
     kv = torch.zeros(2, 256, 2, 64, dtype=torch.bfloat16)
 
-    def fits(q=q, k=kv, plain=True, **params):
-        return triton_backend._hopper_forward_fits(q, k, k, AttentionParams(0.125, **params), plain, cfg)
+    def fits(q=q, k=kv, **params):
+        return triton_backend._hopper_fits(AttentionParams(0.125, **params), 128, q, k, k)
 
     assert fits() and fits(window_right=0)
-    assert not fits(plain=False)  # softcap, ALiBi, dropout or a score_mod
+    assert not fits(softcap=5.0) and not fits(dropout_p=0.1)
     assert not fits(window_left=8, window_right=0) and not fits(window_right=4)
     assert not fits(q=q[:, :192])  # 192 rows: not a whole number of 128-row programs
     assert not fits(k=kv[:, :128])  # cross-attention

@@ -98,20 +98,23 @@ def _gluon_view(x: torch.Tensor, rows: int) -> GluonTensorDescriptor:
     return GluonTensorDescriptor(x, [batch * n, heads * d], [x.stride(1), 1], [rows, d], layout)
 
 
-def _hopper_forward_fits(q, k, v, p: AttentionParams, plain: bool, cfg: config.HopperForwardConfig) -> bool:
-    """The Gluon forward's scope (kernels/hopper.py): plain dense or causal self-attention of whole
-    tiles, in layouts TMA reads."""
-    n = q.shape[1]
+def _plain(p: AttentionParams) -> bool:
+    """No softcap, ALiBi, dropout or score_mod."""
+    return not (p.softcap > 0 or p.alibi_slopes is not None or p.dropout_p > 0 or p.score_mod is not None)
+
+
+def _hopper_fits(p: AttentionParams, tile: int, *tensors: torch.Tensor) -> bool:
+    """The Gluon kernels' scope (kernels/hopper.py): plain dense or causal self-attention whose length
+    is a multiple of ``tile``, in layouts TMA reads (tensors: q, k, v and any more)."""
+    n = tensors[0].shape[1]
     return (
-        plain
+        _plain(p)
         and not p.varlen
         and p.block_mask is None
         and p.window_left == NO_BOUND
         and p.window_right in (NO_BOUND, 0)
-        and k.shape[1] == n
-        and n % (2 * cfg.block_m) == 0
-        and n % cfg.block_n == 0
-        and all(_tma_fits(x, q.shape[-1]) for x in (q, k, v))
+        and all(x.shape[1] == n and _tma_fits(x, x.shape[-1]) for x in tensors)
+        and n % tile == 0
     )
 
 
@@ -207,6 +210,18 @@ def _lengths(q: torch.Tensor, k: torch.Tensor, p: AttentionParams) -> tuple[int,
     return q.shape[0], q.shape[1], k.shape[1]
 
 
+def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, p: AttentionParams, cfg: config.HopperBackwardConfig) -> None:
+    batch, n, heads, d = q.shape
+    heads_k = k.shape[2]
+    hopper.attention_backward_dkdv_sm90_kernel[(n // (2 * cfg.block_n), batch * heads_k)](
+        _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
+        _gluon_view(dout, cfg.block_m), _gluon_view(dk, cfg.block_n), _gluon_view(dv, cfg.block_n),
+        lse, delta, lse.stride(0), lse.stride(1), n, heads, heads // heads_k, p.softmax_scale * LOG2E,
+        p.softmax_scale,
+        CAUSAL=p.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d, STAGES=cfg.stages, num_warps=4,
+    )  # fmt: skip
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams) -> tuple[torch.Tensor, torch.Tensor]:
     """O and the natural-log LSE in fp32 (params.py has the layouts), via the fused forward kernel."""
     out_dtype = q.dtype
@@ -219,13 +234,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
     out = torch.empty(q.shape, dtype=run_dtype, device=q.device)
 
     arch = config.arch_of(q.device, interpreting())
-    plain = not (p.softcap > 0 or p.alibi_slopes is not None or p.dropout_p > 0 or p.score_mod is not None)
     span = _span(p, n_q, n_k)
     hopper_cfg = config.hopper_forward_config(arch, head_dim, run_dtype, span)
-    if hopper_cfg is not None and _hopper_forward_fits(q, k, v, p, plain, hopper_cfg):
+    if hopper_cfg is not None and _hopper_fits(p, math.lcm(2 * hopper_cfg.block_m, hopper_cfg.block_n), q, k, v):
         _hopper_forward(q, k, v, out, lse, p, hopper_cfg)
         return out.view(shape).to(out_dtype), lse
-    cfg = config.forward_config(arch, head_dim, run_dtype, span, plain)
+    cfg = config.forward_config(arch, head_dim, run_dtype, span, _plain(p))
     runtime, flags = _features(p)
     block_m, block_n = _tile(cfg.block_m, p.block_mask, 0), _tile(cfg.block_n, p.block_mask, 1)
     grid = (triton.cdiv(n_q, block_m), batch * heads)
@@ -290,15 +304,19 @@ def backward(
     dk = torch.empty(k.shape, dtype=run_dtype, device=q.device)
     dv = torch.empty(v.shape, dtype=run_dtype, device=q.device)
     mask = p.block_mask
-    block_m, block_n = _tile(cfg.block_m_kv, mask, 0), _tile(cfg.block_n_kv, mask, 1)
-    attention_backward_dkdv_kernel[(triton.cdiv(n_k, block_n), batch * heads_k)](
-        q, k, v, dout, lse, delta, dk, dv,
-        _tma_view(q, block_m, block_d, cfg.tma), _tma_view(dout, block_m, block_d, cfg.tma),
-        *(s for x in (q, k, v, dout, dk, dv) for s in _strides(x, p.varlen)), *lse_strides,
-        BLOCK_M=block_m, BLOCK_N=block_n,
-        EVEN_M=_even(n_q, _sparse_block(block_m, mask, 0), p), EVEN_N=_even(n_k, block_n, p),
-        num_warps=cfg.num_warps, num_stages=cfg.stages_kv, **_tile_lists(mask, transposed=True), **kernel_args,
-    )  # fmt: skip
+    hopper_cfg = config.hopper_backward_config(arch, head_dim, run_dtype)
+    if hopper_cfg is not None and _hopper_fits(p, math.lcm(hopper_cfg.block_m, 2 * hopper_cfg.block_n), q, k, v, dout):
+        _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, p, hopper_cfg)
+    else:
+        block_m, block_n = _tile(cfg.block_m_kv, mask, 0), _tile(cfg.block_n_kv, mask, 1)
+        attention_backward_dkdv_kernel[(triton.cdiv(n_k, block_n), batch * heads_k)](
+            q, k, v, dout, lse, delta, dk, dv,
+            _tma_view(q, block_m, block_d, cfg.tma), _tma_view(dout, block_m, block_d, cfg.tma),
+            *(s for x in (q, k, v, dout, dk, dv) for s in _strides(x, p.varlen)), *lse_strides,
+            BLOCK_M=block_m, BLOCK_N=block_n,
+            EVEN_M=_even(n_q, _sparse_block(block_m, mask, 0), p), EVEN_N=_even(n_k, block_n, p),
+            num_warps=cfg.num_warps, num_stages=cfg.stages_kv, **_tile_lists(mask, transposed=True), **kernel_args,
+        )  # fmt: skip
     block_m, block_n = _tile(cfg.block_m_q, mask, 0), _tile(cfg.block_n_q, mask, 1)
     attention_backward_dq_kernel[(triton.cdiv(n_q, block_m), batch * heads)](
         q, k, v, dout, lse, delta, dq,

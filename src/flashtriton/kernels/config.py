@@ -65,6 +65,15 @@ class HopperForwardConfig:
     min_span: int = 0  # shorter spans (as forward_config's) run the portable kernel
 
 
+@dataclass(frozen=True)
+class HopperBackwardConfig:
+    """The Gluon sm90 dK/dV kernel (kernels/hopper.py); dQ stays with the portable kernel."""
+
+    block_m: int  # query rows per streamed step
+    block_n: int  # keys per consumer warpgroup; a program has two
+    stages: int  # (Q, dO) tiles in flight
+
+
 # Rows of the preprocessing kernel (delta = rowsum(dO * O)) per program.
 PREPROCESS_BLOCK_M = 64
 
@@ -118,6 +127,8 @@ _SM90_SHORT_BACKWARD = {128: BackwardConfig(32, 128, 128, 64, 8, 2, 3, tma=True)
 # causal 2.66 -> 2.53), slower below (N=512 0.213 -> 0.252 ms, causal N=2048 0.403 -> 0.432), where the portable
 # kernel runs two capped 8-warp programs per SM.
 _SM90_HOPPER_FORWARD = {64: HopperForwardConfig(64, 128, 3, min_span=2048), 128: HopperForwardConfig(64, 128, 3)}
+
+_SM90_HOPPER_BACKWARD = {64: HopperBackwardConfig(64, 64, 3), 128: HopperBackwardConfig(64, 64, 3)}
 
 # Other CUDA GPUs (smaller shared memory than Hopper): conservative tiles.
 _CUDA_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
@@ -183,6 +194,11 @@ def hopper_forward_config(arch: str, head_dim: int, dtype: torch.dtype, span: in
     """The Gluon forward's config, or None where it does not run (forward_config's kernel does)."""
     cfg = _SM90_HOPPER_FORWARD.get(head_dim) if arch == "sm90" and dtype != torch.float32 else None
     return cfg if cfg is not None and span >= cfg.min_span else None
+
+
+def hopper_backward_config(arch: str, head_dim: int, dtype: torch.dtype) -> HopperBackwardConfig | None:
+    """The Gluon dK/dV kernel's config, or None where it does not run (backward_config's kernels do)."""
+    return _SM90_HOPPER_BACKWARD.get(head_dim) if arch == "sm90" and dtype != torch.float32 else None
 
 
 def backward_config(

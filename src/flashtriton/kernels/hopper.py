@@ -26,6 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 LN2 = gl.constexpr(0.6931471805599453)
+LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
@@ -157,6 +158,137 @@ def attention_forward_sm90_kernel(
                          q_row + BLOCK_M, q_col, m0 + BLOCK_M, n_tiles, qk_scale, CAUSAL, BLOCK_M, BLOCK_N, D,
                          STAGES)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, b * N, kv_col, n_tiles, BLOCK_N, STAGES)),
+        ],
+        [4, 1],
+        [232, 24],
+    )  # fmt: skip
+
+
+@gluon.jit
+def _dkdv_producer(q_desc, do_desc, q_bufs, do_bufs, ready, empty, q_row, first_col, n_steps, GROUP,
+                   BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Streams (Q, dO) tiles n_steps per query head of the GQA group, from query row q_row on."""
+    for g in range(GROUP):
+        for j in range(n_steps):
+            it = g * n_steps + j
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row + j * BLOCK_M, first_col + g * D], bar, q_bufs.index(s))
+            tma.async_copy_global_to_shared(do_desc, [q_row + j * BLOCK_M, first_col + g * D], bar, do_bufs.index(s))
+
+
+@gluon.jit
+def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty, lse_ptr, delta_ptr,
+                   stride_lh, out_row, out_col, first_key, first_query, n_steps, GROUP, qk_scale, softmax_scale,
+                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                   STAGES: gl.constexpr):  # fmt: skip
+    """One warpgroup's BLOCK_N keys: for each streamed query tile, S^T = K Q^T and dP^T = V dO^T (both
+    from shared memory), then dV += P^T dO and dK += dS^T Q with P^T and dS^T from registers."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    queries: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dtype: gl.constexpr = k_smem.dtype
+
+    zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    dk = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
+    dv = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
+    keys = first_key + gl.arange(0, BLOCK_N, gl.SliceLayout(1, s_layout))
+    mbarrier.wait(kv_bar, 0)
+    for g in range(GROUP):
+        for j in range(n_steps):
+            it = g * n_steps + j
+            s = it % STAGES
+            q0 = first_query + j * BLOCK_M
+            rows = q0 + gl.arange(0, BLOCK_M, queries)
+            lse2 = gl.load(lse_ptr + g * stride_lh + rows) * LOG2E
+            delta = gl.load(delta_ptr + g * stride_lh + rows)
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            q = q_bufs.index(s)
+            do = do_bufs.index(s)
+            s_t = warpgroup_mma(k_smem, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dp_t = warpgroup_mma(v_smem, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s_t = warpgroup_mma_wait(1, deps=(s_t, k_smem, q))[0]
+            p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
+            if CAUSAL:
+                if first_key + BLOCK_N - 1 > q0:  # the tile crosses the diagonal
+                    p_t = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0), p_t, 0.0)
+            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv, is_async=True)
+            dp_t = warpgroup_mma_wait(1, deps=(dp_t, v_smem, do))[0]
+            ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+            dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q, dk, is_async=True)
+            done = warpgroup_mma_wait(0, deps=(dk, dv, q, do))
+            dk = done[0]
+            dv = done[1]
+            mbarrier.arrive(empty.index(s), count=1)
+
+    # K and V are no longer read: their buffers stage dK and dV for the TMA stores
+    k_smem.store((dk * softmax_scale).to(dtype))
+    v_smem.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [out_row, out_col], k_smem)
+    tma.async_copy_shared_to_global(dv_desc, [out_row, out_col], v_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def attention_backward_dkdv_sm90_kernel(
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, stride_lb, stride_lh, N, H, GROUP,
+    qk_scale, softmax_scale,
+    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """Grid (N / (2 * BLOCK_N), B * HKV): dK, dV of 2 * BLOCK_N keys of one K/V head, two consumer
+    warpgroups of BLOCK_N keys each, a producer warp streaming the (Q, dO) tiles of the GQA group."""
+    pid_n = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    hkv = H // GROUP
+    b = pid_bh // hkv
+    hk = pid_bh % hkv
+    n0 = pid_n * (2 * BLOCK_N)
+    kv_row = b * N + n0
+    kv_col = hk * D
+    dtype: gl.constexpr = k_desc.dtype
+
+    k_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [kv_row + w * BLOCK_N, kv_col], kv_bar, k_bufs.index(w))
+        tma.async_copy_global_to_shared(v_desc, [kv_row + w * BLOCK_N, kv_col], kv_bar, v_bufs.index(w))
+
+    first_query = 0
+    if CAUSAL:  # queries before the first key see none of these keys
+        first_query = n0
+    n_steps = (N - first_query) // BLOCK_M
+    h0 = hk * GROUP
+    lse = LSE + b * stride_lb + h0 * stride_lh
+    delta = DELTA + b * stride_lb + h0 * stride_lh
+    q_row = b * N + first_query
+    gl.warp_specialize(
+        [
+            (_dkdv_consumer, (dk_desc, dv_desc, k_bufs.index(0), v_bufs.index(0), q_bufs, do_bufs, kv_bar, ready,
+                              empty, lse, delta, stride_lh, kv_row, kv_col, n0, first_query, n_steps, GROUP,
+                              qk_scale, softmax_scale, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES)),
+            (_dkdv_consumer, (dk_desc, dv_desc, k_bufs.index(1), v_bufs.index(1), q_bufs, do_bufs, kv_bar, ready,
+                              empty, lse, delta, stride_lh, kv_row + BLOCK_N, kv_col, n0 + BLOCK_N, first_query,
+                              n_steps, GROUP, qk_scale, softmax_scale, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES)),
+            (_dkdv_producer, (q_desc, do_desc, q_bufs, do_bufs, ready, empty, q_row, h0 * D, n_steps, GROUP,
+                              BLOCK_M, D, STAGES)),
         ],
         [4, 1],
         [232, 24],
