@@ -53,9 +53,9 @@ def test_tma_view_only_for_layouts_the_copy_engine_can_read():
     assert triton_backend._tma_view(x[:1, :1], 8, 16, enabled=True).shape == [1, 48]
 
 
-def test_hopper_forward_scope():
-    """The Gluon forward takes plain dense or causal self-attention of whole tiles only; the portable
-    kernel runs the rest (and the kernel results are tested against the reference in test_attention)."""
+def test_hopper_scope():
+    """The Gluon kernels take plain dense or causal self-attention of whole tiles only; the portable
+    kernels run the rest (the kernels' results are tested against the reference in test_attention)."""
     q = torch.zeros(2, 256, 4, 64, dtype=torch.bfloat16)
     kv = torch.zeros(2, 256, 2, 64, dtype=torch.bfloat16)
 
@@ -74,20 +74,25 @@ def test_hopper_forward_scope():
     assert config.hopper_forward_config("cuda", 128, torch.bfloat16, span=512) is None
     assert config.hopper_forward_config("sm90", 64, torch.bfloat16, span=1024) is None  # D=64: short spans
     assert config.hopper_forward_config("sm90", 64, torch.bfloat16, span=2048) is not None
+    assert config.hopper_backward_config("sm90", 128, torch.bfloat16) is not None
+    assert config.hopper_backward_config("sm90", 64, torch.bfloat16) is None
 
 
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU"
 )
 @pytest.mark.parametrize("causal", [False, True])
-def test_hopper_forward_runs_where_it_fits(causal, monkeypatch):
+def test_hopper_kernels_run_where_they_fit(causal, monkeypatch):
     calls = []
-    launch = triton_backend._hopper_forward
-    monkeypatch.setattr(triton_backend, "_hopper_forward", lambda *args: calls.append(1) or launch(*args))
-    q, k, v = (torch.randn(2, 1024, h, 128, device="cuda", dtype=torch.bfloat16) for h in (8, 4, 4))
+    for name in ("_hopper_forward", "_hopper_dkdv"):
+        launch = getattr(triton_backend, name)
+        monkeypatch.setattr(triton_backend, name, lambda *args, n=name, f=launch: calls.append(n) or f(*args))
+    q, k, v = (torch.randn(2, 1024, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (8, 4, 4))
     out = flash_attn_func(q, k, v, causal=causal)
+    out.sum().backward()
     ragged = flash_attn_func(q[:, :1000], k[:, :1000], v[:, :1000], causal=causal)
-    assert len(calls) == 1
+    ragged.sum().backward()
+    assert calls == ["_hopper_forward", "_hopper_dkdv"]
     # the first 1000 rows of causal attention see the same keys in both calls
     if causal:
         torch.testing.assert_close(out[:, :1000], ragged, atol=2e-2, rtol=0)

@@ -1,18 +1,22 @@
-"""Hopper (sm90) forward in Gluon: warp-specialised, for the plain dense and causal cases.
+"""Hopper (sm90) kernels in Gluon: warp-specialised forward and dK/dV for the plain dense and causal cases.
 
-The portable Triton kernel (forward.py) runs one 8-warp program per query tile that does softmax
-between its matrix multiplies, so the tensor cores idle while it does (benchmarks/NOTES.md, ncu).
-Here a program holds 2 * BLOCK_M query rows and three partitions:
+The portable Triton kernels (forward.py, backward.py) run one 8-warp program per tile that does its
+softmax (or dS) arithmetic between its matrix multiplies, so the tensor cores idle meanwhile
+(benchmarks/NOTES.md, ncu). Here a program has three partitions:
 
-  producer   1 warp: streams K and V tiles through TMA into a ring of STAGES shared-memory slots
-             (``ready[s]`` says a slot is full, ``empty[s]`` that both consumers are done with it)
-  consumers  2 warpgroups, each owning BLOCK_M query rows, running the online softmax:
-             S = Q K^T (wgmma from shared memory), P = exp2(S * qk_scale - m), O += P V (P from
-             registers). While one warpgroup computes its softmax the other's MMAs run.
+  producer   1 warp: streams tiles through TMA into a ring of STAGES shared-memory slots (``ready[s]``
+             says a slot is full, ``empty[s]`` that both consumers are done with it)
+  consumers  2 warpgroups with a tile of their own each; while one does its arithmetic the other's
+             MMAs (wgmma) run.
 
-Scope (triton_backend dispatches everything else to the portable kernel): bf16/fp16, D of 64 or
-128, no softcap / ALiBi / dropout / varlen / block mask / score_mod, causal or no mask,
-seqlen_q == seqlen_k a multiple of 2 * BLOCK_M and of BLOCK_N, TMA-readable layouts.
+Forward: the consumers own BLOCK_M query rows each and stream K/V tiles: S = Q K^T (both from shared
+memory), P = exp2(S * qk_scale - m), O += P V (P from registers), the softmax of tile j running while
+the P V multiply of tile j - 1 does. dK/dV: the consumers own BLOCK_N keys each and stream the (Q, dO)
+tiles of every query head of their GQA group: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q.
+
+Scope (triton_backend dispatches everything else to the portable kernels): bf16/fp16, head dims with
+a config row, no softcap / ALiBi / dropout / varlen / block mask / score_mod, causal or no mask,
+seqlen_q == seqlen_k a multiple of the program's rows, TMA-readable layouts.
 """
 
 from triton.experimental import gluon
