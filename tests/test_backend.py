@@ -84,7 +84,7 @@ def test_hopper_scope():
 @pytest.mark.parametrize("causal", [False, True])
 def test_hopper_kernels_run_where_they_fit(causal, monkeypatch):
     calls = []
-    for name in ("_hopper_forward", "_hopper_dkdv"):
+    for name in ("_hopper_forward", "_hopper_dkdv", "_hopper_dq"):
         launch = getattr(triton_backend, name)
         monkeypatch.setattr(triton_backend, name, lambda *args, n=name, f=launch: calls.append(n) or f(*args))
     q, k, v = (torch.randn(2, 1024, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (8, 4, 4))
@@ -92,7 +92,7 @@ def test_hopper_kernels_run_where_they_fit(causal, monkeypatch):
     out.sum().backward()
     ragged = flash_attn_func(q[:, :1000], k[:, :1000], v[:, :1000], causal=causal)
     ragged.sum().backward()
-    assert calls == ["_hopper_forward", "_hopper_dkdv"]
+    assert calls == ["_hopper_forward", "_hopper_dkdv", "_hopper_dq"]
     # the first 1000 rows of causal attention see the same keys in both calls
     if causal:
         torch.testing.assert_close(out[:, :1000], ragged, atol=2e-2, rtol=0)

@@ -222,6 +222,17 @@ def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, p: AttentionParams, cfg: con
     )  # fmt: skip
 
 
+def _hopper_dq(q, k, v, dout, lse, delta, dq, p: AttentionParams, cfg: config.HopperBackwardConfig) -> None:
+    batch, n, heads, d = q.shape
+    block_m, block_n, stages = cfg.dq
+    hopper.attention_backward_dq_sm90_kernel[(n // (2 * block_m), batch * heads)](
+        _gluon_view(q, block_m), _gluon_view(k, block_n), _gluon_view(v, block_n), _gluon_view(dout, block_m),
+        _gluon_view(dq, block_m), lse, delta, lse.stride(0), lse.stride(1), n, heads, heads // k.shape[2],
+        p.softmax_scale * LOG2E, p.softmax_scale,
+        CAUSAL=p.window_right == 0, BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, num_warps=4,
+    )  # fmt: skip
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams) -> tuple[torch.Tensor, torch.Tensor]:
     """O and the natural-log LSE in fp32 (params.py has the layouts), via the fused forward kernel."""
     out_dtype = q.dtype
@@ -305,7 +316,11 @@ def backward(
     dv = torch.empty(v.shape, dtype=run_dtype, device=q.device)
     mask = p.block_mask
     hopper_cfg = config.hopper_backward_config(arch, head_dim, run_dtype)
-    if hopper_cfg is not None and _hopper_fits(p, math.lcm(hopper_cfg.block_m, 2 * hopper_cfg.block_n), q, k, v, dout):
+    hopper_tile = 0 if hopper_cfg is None else math.lcm(hopper_cfg.block_m, 2 * hopper_cfg.block_n)
+    if hopper_cfg is not None and hopper_cfg.dq is not None:
+        hopper_tile = math.lcm(hopper_tile, 2 * hopper_cfg.dq[0], hopper_cfg.dq[1])
+    on_hopper = hopper_cfg is not None and _hopper_fits(p, hopper_tile, q, k, v, dout)
+    if on_hopper:
         _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, p, hopper_cfg)
     else:
         block_m, block_n = _tile(cfg.block_m_kv, mask, 0), _tile(cfg.block_n_kv, mask, 1)
@@ -317,14 +332,17 @@ def backward(
             EVEN_M=_even(n_q, _sparse_block(block_m, mask, 0), p), EVEN_N=_even(n_k, block_n, p),
             num_warps=cfg.num_warps, num_stages=cfg.stages_kv, **_tile_lists(mask, transposed=True), **kernel_args,
         )  # fmt: skip
-    block_m, block_n = _tile(cfg.block_m_q, mask, 0), _tile(cfg.block_n_q, mask, 1)
-    attention_backward_dq_kernel[(triton.cdiv(n_q, block_m), batch * heads)](
-        q, k, v, dout, lse, delta, dq,
-        _tma_view(k, block_n, block_d, cfg.tma), _tma_view(v, block_n, block_d, cfg.tma),
-        *(s for x in (q, k, v, dout, dq) for s in _strides(x, p.varlen)), *lse_strides,
-        BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=_even(n_q, block_m, p),
-        EVEN_N=_even(n_k, _sparse_block(block_n, mask, 1), p),
-        num_warps=cfg.warps_q or cfg.num_warps, num_stages=cfg.stages_q, **_tile_lists(mask, transposed=False),
-        **kernel_args,
-    )  # fmt: skip
+    if on_hopper and hopper_cfg.dq is not None:
+        _hopper_dq(q, k, v, dout, lse, delta, dq, p, hopper_cfg)
+    else:
+        block_m, block_n = _tile(cfg.block_m_q, mask, 0), _tile(cfg.block_n_q, mask, 1)
+        attention_backward_dq_kernel[(triton.cdiv(n_q, block_m), batch * heads)](
+            q, k, v, dout, lse, delta, dq,
+            _tma_view(k, block_n, block_d, cfg.tma), _tma_view(v, block_n, block_d, cfg.tma),
+            *(s for x in (q, k, v, dout, dq) for s in _strides(x, p.varlen)), *lse_strides,
+            BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=_even(n_q, block_m, p),
+            EVEN_N=_even(n_k, _sparse_block(block_n, mask, 1), p),
+            num_warps=cfg.warps_q or cfg.num_warps, num_stages=cfg.stages_q, **_tile_lists(mask, transposed=False),
+            **kernel_args,
+        )  # fmt: skip
     return tuple(g.view(shape).to(grad_dtype) for g, shape in zip((dq, dk, dv), shapes, strict=True))

@@ -67,11 +67,13 @@ class HopperForwardConfig:
 
 @dataclass(frozen=True)
 class HopperBackwardConfig:
-    """The Gluon sm90 dK/dV kernel (kernels/hopper.py); dQ stays with the portable kernel."""
+    """The Gluon sm90 backward kernels (kernels/hopper.py)."""
 
-    block_m: int  # query rows per streamed step
-    block_n: int  # keys per consumer warpgroup; a program has two
-    stages: int  # (Q, dO) tiles in flight
+    block_m: int  # dK/dV: query rows per streamed step
+    block_n: int  # dK/dV: keys per consumer warpgroup; a program has two
+    stages: int  # dK/dV: (Q, dO) tiles in flight
+    # the Gluon dQ kernel's (block_m, block_n, stages), named as the forward's; None: the portable dQ
+    dq: tuple[int, int, int] | None = None
 
 
 # Rows of the preprocessing kernel (delta = rowsum(dO * O)) per program.
@@ -128,11 +130,14 @@ _SM90_SHORT_BACKWARD = {128: BackwardConfig(32, 128, 128, 64, 8, 2, 3, tma=True)
 # kernel runs two capped 8-warp programs per SM.
 _SM90_HOPPER_FORWARD = {64: HopperForwardConfig(64, 128, 3, min_span=2048), 128: HopperForwardConfig(64, 128, 3)}
 
-# The Gluon dK/dV on sm90, by head dim (H200, backward kernel times with the portable dQ, B * N = 16k, H * D = 2048):
-# D=128 N=16k 12.59 -> 11.90 ms, causal 6.84 -> 6.53, N=4k 3.30 -> 3.11, 1k 1.00 -> 0.92 (2, 3 or 4 slots within 1%).
-# D=64 loses (16k 14.12 -> 14.35 ms, causal 7.33 -> 7.64; 128-query steps worse), so it keeps the portable kernel.
-# Issuing the next step's S^T and dP^T behind dV and dK (cross-step overlap) was slower: D=128 16k 14.50 ms.
-_SM90_HOPPER_BACKWARD = {128: HopperBackwardConfig(64, 64, 3)}
+# The Gluon backward on sm90, by head dim (H200, backward kernel times, B * N = 16k, H * D = 2048, same run):
+# D=128 dK/dV with the portable dQ: N=16k 12.59 -> 11.90 ms, causal 6.84 -> 6.53, N=4k 3.30 -> 3.11, 1k 1.00 -> 0.92
+# (2, 3 or 4 slots within 1%); plus the Gluon dQ (64 rows per warpgroup, 128-key tiles, 2 slots): 16k 13.05 ->
+# 11.58 ms against the portable pair, causal 7.10 -> 6.36, 4k 3.43 -> 3.03, 1k 1.03 -> 0.90 (64-key tiles 1-2%
+# behind). D=64 dK/dV loses (16k 14.12 -> 14.35 ms, causal 7.33 -> 7.64; 128-query steps worse), so D=64 keeps
+# the portable kernels. Issuing dK/dV's next S^T and dP^T behind dV and dK (cross-step overlap) was slower:
+# D=128 16k 14.50 ms.
+_SM90_HOPPER_BACKWARD = {128: HopperBackwardConfig(64, 64, 3, dq=(64, 128, 2))}
 
 # Other CUDA GPUs (smaller shared memory than Hopper): conservative tiles.
 _CUDA_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (

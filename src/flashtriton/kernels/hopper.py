@@ -1,4 +1,4 @@
-"""Hopper (sm90) kernels in Gluon: warp-specialised forward and dK/dV for the plain dense and causal cases.
+"""Hopper (sm90) kernels in Gluon: warp-specialised forward, dK/dV and dQ for plain dense and causal attention.
 
 The portable Triton kernels (forward.py, backward.py) run one 8-warp program per tile that does its
 softmax (or dS) arithmetic between its matrix multiplies, so the tensor cores idle meanwhile
@@ -13,6 +13,8 @@ Forward: the consumers own BLOCK_M query rows each and stream K/V tiles: S = Q K
 memory), P = exp2(S * qk_scale - m), O += P V (P from registers), the softmax of tile j running while
 the P V multiply of tile j - 1 does. dK/dV: the consumers own BLOCK_N keys each and stream the (Q, dO)
 tiles of every query head of their GQA group: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q.
+dQ: laid out as the forward, S = Q K^T, dP = dO V^T, dQ += dS K. The backward keeps the portable
+kernels' fixed summation order (no atomics): it is deterministic.
 
 Scope (triton_backend dispatches everything else to the portable kernels): bf16/fp16, head dims with
 a config row, no softcap / ALiBi / dropout / varlen / block mask / score_mod, causal or no mask,
@@ -293,6 +295,108 @@ def attention_backward_dkdv_sm90_kernel(
                               n_steps, GROUP, qk_scale, softmax_scale, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES)),
             (_dkdv_producer, (q_desc, do_desc, q_bufs, do_bufs, ready, empty, q_row, h0 * D, n_steps, GROUP,
                               BLOCK_M, D, STAGES)),
+        ],
+        [4, 1],
+        [232, 24],
+    )  # fmt: skip
+
+
+@gluon.jit
+def _dq_consumer(dq_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, lse_ptr, delta_ptr, out_row,
+                 col, first_row, n_tiles, qk_scale, softmax_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """One warpgroup's BLOCK_M query rows: for each streamed key tile, S = Q K^T and dP = dO V^T (from
+    shared memory), then dQ += dS K with dS from registers."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = q_smem.dtype
+
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    dq = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+    rows = first_row + gl.arange(0, BLOCK_M, rows_s)
+    lse2 = gl.expand_dims(gl.load(lse_ptr + gl.arange(0, BLOCK_M, rows_s)) * LOG2E, 1)
+    delta = gl.expand_dims(gl.load(delta_ptr + gl.arange(0, BLOCK_M, rows_s)), 1)
+    mbarrier.wait(q_bar, 0)
+    for j in range(n_tiles):
+        s = j % STAGES
+        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+        k = k_bufs.index(s)
+        v = v_bufs.index(s)
+        scores = warpgroup_mma(q_smem, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_smem, v.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        scores = warpgroup_mma_wait(1, deps=(scores, q_smem, k))[0]
+        p = gl.exp2(scores * qk_scale - lse2)
+        if CAUSAL:
+            if j * BLOCK_N + BLOCK_N - 1 > first_row:  # the tile crosses the diagonal
+                cols = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+                p = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=(dp, do_smem, v))[0]
+        ds = gl.convert_layout((p * (dp - delta)).to(dtype), a_layout)
+        dq = warpgroup_mma(ds, k, dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq, k))[0]
+        mbarrier.arrive(empty.index(s), count=1)
+
+    q_smem.store((dq * softmax_scale).to(dtype))  # Q is no longer read: its buffer stages dQ
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [out_row, col], q_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def attention_backward_dq_sm90_kernel(
+    q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, stride_lb, stride_lh, N, H, GROUP, qk_scale,
+    softmax_scale,
+    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """Grid (N / (2 * BLOCK_M), B * H): dQ of 2 * BLOCK_M query rows, laid out as the forward's program."""
+    pid_m = gl.program_id(0)
+    if CAUSAL:  # the longest rows first
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    pid_bh = gl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    m0 = pid_m * (2 * BLOCK_M)
+    q_col = h * D
+    q_row = b * N + m0
+    dtype: gl.constexpr = q_desc.dtype
+
+    q_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, D], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, D], do_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(q_desc, [q_row + w * BLOCK_M, q_col], q_bar, q_bufs.index(w))
+        tma.async_copy_global_to_shared(do_desc, [q_row + w * BLOCK_M, q_col], q_bar, do_bufs.index(w))
+
+    n_tiles = N // BLOCK_N
+    if CAUSAL:
+        n_tiles = gl.cdiv(m0 + 2 * BLOCK_M, BLOCK_N)
+    lse = LSE + b * stride_lb + h * stride_lh + m0
+    delta = DELTA + b * stride_lb + h * stride_lh + m0
+    gl.warp_specialize(
+        [
+            (_dq_consumer, (dq_desc, q_bufs.index(0), do_bufs.index(0), k_bufs, v_bufs, q_bar, ready, empty, lse,
+                            delta, q_row, q_col, m0, n_tiles, qk_scale, softmax_scale, CAUSAL, BLOCK_M, BLOCK_N, D,
+                            STAGES)),
+            (_dq_consumer, (dq_desc, q_bufs.index(1), do_bufs.index(1), k_bufs, v_bufs, q_bar, ready, empty,
+                            lse + BLOCK_M, delta + BLOCK_M, q_row + BLOCK_M, q_col, m0 + BLOCK_M, n_tiles, qk_scale,
+                            softmax_scale, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES)),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, b * N, (h // GROUP) * D, n_tiles, BLOCK_N,
+                         STAGES)),
         ],
         [4, 1],
         [232, 24],
