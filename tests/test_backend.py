@@ -54,7 +54,7 @@ def test_tma_view_only_for_layouts_the_copy_engine_can_read():
 
 
 def test_hopper_scope():
-    """The Gluon kernels take plain dense or causal self-attention of whole tiles only; the portable
+    """The Gluon kernels take plain dense, causal or causal sliding-window self-attention of whole tiles; the portable
     kernels run the rest (the kernels' results are tested against the reference in test_attention)."""
     q = torch.zeros(2, 256, 4, 64, dtype=torch.bfloat16)
     kv = torch.zeros(2, 256, 2, 64, dtype=torch.bfloat16)
@@ -64,7 +64,8 @@ def test_hopper_scope():
 
     assert fits() and fits(window_right=0)
     assert not fits(softcap=5.0) and not fits(dropout_p=0.1)
-    assert not fits(window_left=8, window_right=0) and not fits(window_right=4)
+    assert fits(window_left=8, window_right=0)  # causal sliding window
+    assert not fits(window_right=4) and not fits(window_left=8, window_right=4) and not fits(window_left=8)
     assert not fits(q=q[:, :192])  # 192 rows: not a whole number of 128-row programs
     assert not fits(k=kv[:, :128])  # cross-attention
     assert not fits(q=q[..., :48], k=kv[..., :48])  # head dim not a power of two

@@ -224,6 +224,9 @@ WINDOWS = _cases(
         Case(Shape(2, 3000, 1000, 4, 1, 96), window=(128, 64)),
         Case(Shape(1, 4096, 4096, 8, 2, 64), causal=True, window=(1000, -1)),
         Case(Shape(1, 1000, 1000, 4, 4, 128), causal=True, window=(0, 0)),
+        # whole 128-row tiles: the sm90 Gluon kernels' sliding window
+        Case(Shape(2, 1024, 1024, 8, 4, 128), causal=True, window=(200, -1)),
+        Case(Shape(1, 1024, 1024, 4, 4, 128), causal=True, window=(0, 0)),
     ],
 )
 

@@ -104,18 +104,22 @@ def _plain(p: AttentionParams) -> bool:
 
 
 def _hopper_fits(p: AttentionParams, tile: int, *tensors: torch.Tensor) -> bool:
-    """The Gluon kernels' scope (kernels/hopper.py): plain dense or causal self-attention whose length
-    is a multiple of ``tile``, in layouts TMA reads (tensors: q, k, v and any more)."""
+    """The Gluon kernels' scope (kernels/hopper.py): plain dense, causal or causal sliding-window
+    self-attention whose length is a multiple of ``tile``, in layouts TMA reads (tensors: q, k, v and
+    any more)."""
     n = tensors[0].shape[1]
     return (
         _plain(p)
         and not p.varlen
         and p.block_mask is None
-        and p.window_left == NO_BOUND
-        and p.window_right in (NO_BOUND, 0)
+        and (p.window_right == 0 or (p.window_right == NO_BOUND and p.window_left == NO_BOUND))
         and all(x.shape[1] == n and _tma_fits(x, x.shape[-1]) for x in tensors)
         and n % tile == 0
     )
+
+
+def _hopper_band(p: AttentionParams) -> dict:
+    return dict(CAUSAL=p.window_right == 0, LEFT=p.window_left != NO_BOUND)
 
 
 def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperForwardConfig) -> None:
@@ -123,8 +127,8 @@ def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperFor
     hopper.attention_forward_sm90_kernel[(n // (2 * cfg.block_m), batch * heads)](
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
         _gluon_view(out, cfg.block_m), lse, lse.stride(0), lse.stride(1), n, heads, heads // k.shape[2],
-        p.softmax_scale * LOG2E,
-        CAUSAL=p.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d, STAGES=cfg.stages, num_warps=4,
+        p.softmax_scale * LOG2E, max(p.window_left, 0), **_hopper_band(p),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d, STAGES=cfg.stages, num_warps=4,
     )  # fmt: skip
 
 
@@ -217,8 +221,8 @@ def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, p: AttentionParams, cfg: con
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
         _gluon_view(dout, cfg.block_m), _gluon_view(dk, cfg.block_n), _gluon_view(dv, cfg.block_n),
         lse, delta, lse.stride(0), lse.stride(1), n, heads, heads // heads_k, p.softmax_scale * LOG2E,
-        p.softmax_scale,
-        CAUSAL=p.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d, STAGES=cfg.stages, num_warps=4,
+        p.softmax_scale, max(p.window_left, 0), **_hopper_band(p),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d, STAGES=cfg.stages, num_warps=4,
     )  # fmt: skip
 
 
@@ -228,8 +232,8 @@ def _hopper_dq(q, k, v, dout, lse, delta, dq, p: AttentionParams, cfg: config.Ho
     hopper.attention_backward_dq_sm90_kernel[(n // (2 * block_m), batch * heads)](
         _gluon_view(q, block_m), _gluon_view(k, block_n), _gluon_view(v, block_n), _gluon_view(dout, block_m),
         _gluon_view(dq, block_m), lse, delta, lse.stride(0), lse.stride(1), n, heads, heads // k.shape[2],
-        p.softmax_scale * LOG2E, p.softmax_scale,
-        CAUSAL=p.window_right == 0, BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, num_warps=4,
+        p.softmax_scale * LOG2E, p.softmax_scale, max(p.window_left, 0), **_hopper_band(p),
+        BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, num_warps=4,
     )  # fmt: skip
 
 

@@ -36,6 +36,37 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
+def _outside_band(first_row, last_row, first_col, last_col, window_left, LEFT: gl.constexpr):
+    """Some (row, col) of a tile lies outside the causal band: above the diagonal or, with LEFT, more
+    than window_left keys behind its row."""
+    out = last_col > first_row
+    if LEFT:
+        out = out | (last_row - first_col > window_left)
+    return out
+
+
+@gluon.jit
+def _in_band(rows, cols, window_left, LEFT: gl.constexpr):
+    """The causal band's mask of broadcastable row and column indices (either orientation)."""
+    keep = cols <= rows
+    if LEFT:
+        keep = keep & (cols >= rows - window_left)
+    return keep
+
+
+@gluon.jit
+def _key_tiles(m0, rows, N, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(first key, number of BLOCK_N-key tiles) that the query rows [m0, m0 + rows) see."""
+    key0 = 0
+    n_tiles = N // BLOCK_N
+    if LEFT:
+        key0 = gl.maximum(m0 - window_left, 0) // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        n_tiles = gl.cdiv(m0 + rows, BLOCK_N) - key0 // BLOCK_N
+    return key0, n_tiles
+
+
+@gluon.jit
 def _producer(k_desc, v_desc, k_bufs, v_bufs, ready, empty, kv_row, col, n_tiles,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     for j in range(n_tiles):
@@ -49,25 +80,30 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, ready, empty, kv_row, col, n_tiles
 
 
 @gluon.jit
-def _online_softmax(scores, m_i, l_i, rows, first_row, first_col, qk_scale, CAUSAL: gl.constexpr,
-                    BLOCK_N: gl.constexpr):  # fmt: skip
+def _online_softmax(scores, m_i, l_i, rows, first_row, first_col, qk_scale, window_left, CAUSAL: gl.constexpr,
+                    LEFT: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
     """One key tile of the online softmax: (P in log2 units against the new max, new max, new sum, the
     factor alpha that rescales what was accumulated against the old max)."""
     scores = scores * qk_scale
     if CAUSAL:
-        if first_col + BLOCK_N - 1 > first_row:  # the tile crosses the diagonal
+        last_row = first_row + scores.shape[0] - 1
+        if _outside_band(first_row, last_row, first_col, first_col + BLOCK_N - 1, window_left, LEFT):
             cols = first_col + gl.arange(0, BLOCK_N, gl.SliceLayout(0, scores.type.layout))
-            scores = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), scores, float("-inf"))
+            keep = _in_band(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), window_left, LEFT)
+            scores = gl.where(keep, scores, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(scores, 1))
-    p = gl.exp2(scores - gl.expand_dims(m_new, 1))
-    alpha = gl.exp2(m_i - m_new)
+    m_use = m_new
+    if LEFT:  # a row may have seen no key yet: its window starts past this tile
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(scores - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
     return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
 
 
 @gluon.jit
-def _consumer(o_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, lse_ptrs, out_row, col, first_row, n_tiles,
-              qk_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              STAGES: gl.constexpr):  # fmt: skip
+def _consumer(o_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, lse_ptrs, out_row, col, first_row, key0,
+              n_tiles, qk_scale, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """One warpgroup's BLOCK_M query rows. Tile j's S = Q K_j^T is issued together with tile j-1's
     O += P V_{j-1}; the softmax of S_j then runs while that second MMA does."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -86,9 +122,8 @@ def _consumer(o_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, lse_ptrs, out
     scores = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     scores = warpgroup_mma_wait(0, deps=(scores, q_smem))[0]
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows_s)
-    p, m_i, l_i, alpha = _online_softmax(scores, m_i, gl.zeros([BLOCK_M], gl.float32, rows_s), rows, first_row, 0,
-                                         qk_scale,
-                                         CAUSAL, BLOCK_N)  # fmt: skip
+    p, m_i, l_i, alpha = _online_softmax(scores, m_i, gl.zeros([BLOCK_M], gl.float32, rows_s), rows, first_row, key0,
+                                         qk_scale, window_left, CAUSAL, LEFT, BLOCK_N)  # fmt: skip
     p = gl.convert_layout(p.to(dtype), p_layout)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
     for j in range(1, n_tiles):
@@ -99,7 +134,7 @@ def _consumer(o_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, lse_ptrs, out
         acc = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
         scores = warpgroup_mma_wait(1, deps=(scores, q_smem))[0]  # S_j done; P V_{j-1} may still run
         p_next, m_i, l_i, alpha = _online_softmax(
-            scores, m_i, l_i, rows, first_row, j * BLOCK_N, qk_scale, CAUSAL, BLOCK_N
+            scores, m_i, l_i, rows, first_row, key0 + j * BLOCK_N, qk_scale, window_left, CAUSAL, LEFT, BLOCK_N
         )
         acc = warpgroup_mma_wait(0, deps=(acc, p, v_bufs))[0]
         mbarrier.arrive(empty.index(prev), count=1)
@@ -120,10 +155,12 @@ def _consumer(o_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, lse_ptrs, out
 
 @gluon.jit
 def attention_forward_sm90_kernel(
-    q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, N, H, GROUP, qk_scale,
-    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+    q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, N, H, GROUP, qk_scale, window_left,
+    CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+    STAGES: gl.constexpr,
 ):  # fmt: skip
-    """Grid (N / (2 * BLOCK_M), B * H); q/k/v/o_desc: (B * N, heads * D) views, blocks of [rows, D]."""
+    """Grid (N / (2 * BLOCK_M), B * H); q/k/v/o_desc: (B * N, heads * D) views, blocks of [rows, D].
+    CAUSAL: query i sees keys j <= i, and with LEFT only j >= i - window_left."""
     pid_m = gl.program_id(0)
     if CAUSAL:  # the longest rows first, so the short ones fill the last wave
         pid_m = gl.num_programs(0) - 1 - pid_m
@@ -152,18 +189,17 @@ def attention_forward_sm90_kernel(
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_bufs.index(0))
     tma.async_copy_global_to_shared(q_desc, [q_row + BLOCK_M, q_col], q_bar, q_bufs.index(1))
 
-    n_tiles = N // BLOCK_N
-    if CAUSAL:
-        n_tiles = gl.cdiv(m0 + 2 * BLOCK_M, BLOCK_N)
+    key0, n_tiles = _key_tiles(m0, 2 * BLOCK_M, N, window_left, CAUSAL, LEFT, BLOCK_N)
     lse = LSE + b * stride_lb + h * stride_lh + m0
     gl.warp_specialize(
         [
             (_consumer, (o_desc, q_bufs.index(0), k_bufs, v_bufs, q_bar, ready, empty, lse, q_row, q_col, m0,
-                         n_tiles, qk_scale, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES)),
+                         key0, n_tiles, qk_scale, window_left, CAUSAL, LEFT, BLOCK_M, BLOCK_N, D, STAGES)),
             (_consumer, (o_desc, q_bufs.index(1), k_bufs, v_bufs, q_bar, ready, empty, lse + BLOCK_M,
-                         q_row + BLOCK_M, q_col, m0 + BLOCK_M, n_tiles, qk_scale, CAUSAL, BLOCK_M, BLOCK_N, D,
+                         q_row + BLOCK_M, q_col, m0 + BLOCK_M, key0, n_tiles, qk_scale, window_left, CAUSAL, LEFT,
+                         BLOCK_M, BLOCK_N, D, STAGES)),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, b * N + key0, kv_col, n_tiles, BLOCK_N,
                          STAGES)),
-            (_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, b * N, kv_col, n_tiles, BLOCK_N, STAGES)),
         ],
         [4, 1],
         [232, 24],
@@ -188,8 +224,8 @@ def _dkdv_producer(q_desc, do_desc, q_bufs, do_bufs, ready, empty, q_row, first_
 @gluon.jit
 def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty, lse_ptr, delta_ptr,
                    stride_lh, out_row, out_col, first_key, first_query, n_steps, GROUP, qk_scale, softmax_scale,
-                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                   STAGES: gl.constexpr):  # fmt: skip
+                   window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """One warpgroup's BLOCK_N keys: for each streamed query tile, S^T = K Q^T and dP^T = V dO^T (both
     from shared memory), then dV += P^T dO and dK += dS^T Q with P^T and dS^T from registers."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -221,8 +257,9 @@ def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, re
             s_t = warpgroup_mma_wait(1, deps=(s_t, k_smem, q))[0]
             p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
             if CAUSAL:
-                if first_key + BLOCK_N - 1 > q0:  # the tile crosses the diagonal
-                    p_t = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0), p_t, 0.0)
+                if _outside_band(q0, q0 + BLOCK_M - 1, first_key, first_key + BLOCK_N - 1, window_left, LEFT):
+                    keep = _in_band(gl.expand_dims(rows, 0), gl.expand_dims(keys, 1), window_left, LEFT)
+                    p_t = gl.where(keep, p_t, 0.0)
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv, is_async=True)
             dp_t = warpgroup_mma_wait(1, deps=(dp_t, v_smem, do))[0]
             ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
@@ -244,8 +281,9 @@ def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, re
 @gluon.jit
 def attention_backward_dkdv_sm90_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, stride_lb, stride_lh, N, H, GROUP,
-    qk_scale, softmax_scale,
-    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+    qk_scale, softmax_scale, window_left,
+    CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+    STAGES: gl.constexpr,
 ):  # fmt: skip
     """Grid (N / (2 * BLOCK_N), B * HKV): dK, dV of 2 * BLOCK_N keys of one K/V head, two consumer
     warpgroups of BLOCK_N keys each, a producer warp streaming the (Q, dO) tiles of the GQA group."""
@@ -278,9 +316,12 @@ def attention_backward_dkdv_sm90_kernel(
         tma.async_copy_global_to_shared(v_desc, [kv_row + w * BLOCK_N, kv_col], kv_bar, v_bufs.index(w))
 
     first_query = 0
+    last_query = N
     if CAUSAL:  # queries before the first key see none of these keys
         first_query = n0
-    n_steps = (N - first_query) // BLOCK_M
+    if LEFT:  # nor do queries more than window_left after the last
+        last_query = gl.minimum(gl.cdiv(n0 + 2 * BLOCK_N + window_left, BLOCK_M) * BLOCK_M, N)
+    n_steps = (last_query - first_query) // BLOCK_M
     h0 = hk * GROUP
     lse = LSE + b * stride_lb + h0 * stride_lh
     delta = DELTA + b * stride_lb + h0 * stride_lh
@@ -289,10 +330,11 @@ def attention_backward_dkdv_sm90_kernel(
         [
             (_dkdv_consumer, (dk_desc, dv_desc, k_bufs.index(0), v_bufs.index(0), q_bufs, do_bufs, kv_bar, ready,
                               empty, lse, delta, stride_lh, kv_row, kv_col, n0, first_query, n_steps, GROUP,
-                              qk_scale, softmax_scale, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES)),
+                              qk_scale, softmax_scale, window_left, CAUSAL, LEFT, BLOCK_M, BLOCK_N, D, STAGES)),
             (_dkdv_consumer, (dk_desc, dv_desc, k_bufs.index(1), v_bufs.index(1), q_bufs, do_bufs, kv_bar, ready,
                               empty, lse, delta, stride_lh, kv_row + BLOCK_N, kv_col, n0 + BLOCK_N, first_query,
-                              n_steps, GROUP, qk_scale, softmax_scale, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES)),
+                              n_steps, GROUP, qk_scale, softmax_scale, window_left, CAUSAL, LEFT, BLOCK_M, BLOCK_N,
+                              D, STAGES)),
             (_dkdv_producer, (q_desc, do_desc, q_bufs, do_bufs, ready, empty, q_row, h0 * D, n_steps, GROUP,
                               BLOCK_M, D, STAGES)),
         ],
@@ -303,8 +345,9 @@ def attention_backward_dkdv_sm90_kernel(
 
 @gluon.jit
 def _dq_consumer(dq_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, lse_ptr, delta_ptr, out_row,
-                 col, first_row, n_tiles, qk_scale, softmax_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+                 col, first_row, key0, n_tiles, qk_scale, softmax_scale, window_left, CAUSAL: gl.constexpr,
+                 LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                 STAGES: gl.constexpr):  # fmt: skip
     """One warpgroup's BLOCK_M query rows: for each streamed key tile, S = Q K^T and dP = dO V^T (from
     shared memory), then dQ += dS K with dS from registers."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -331,9 +374,10 @@ def _dq_consumer(dq_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, 
         scores = warpgroup_mma_wait(1, deps=(scores, q_smem, k))[0]
         p = gl.exp2(scores * qk_scale - lse2)
         if CAUSAL:
-            if j * BLOCK_N + BLOCK_N - 1 > first_row:  # the tile crosses the diagonal
-                cols = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
-                p = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), p, 0.0)
+            first_col = key0 + j * BLOCK_N
+            if _outside_band(first_row, first_row + BLOCK_M - 1, first_col, first_col + BLOCK_N - 1, window_left, LEFT):
+                cols = first_col + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+                p = gl.where(_in_band(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), window_left, LEFT), p, 0.0)
         dp = warpgroup_mma_wait(0, deps=(dp, do_smem, v))[0]
         ds = gl.convert_layout((p * (dp - delta)).to(dtype), a_layout)
         dq = warpgroup_mma(ds, k, dq, is_async=True)
@@ -349,8 +393,9 @@ def _dq_consumer(dq_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, 
 @gluon.jit
 def attention_backward_dq_sm90_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, stride_lb, stride_lh, N, H, GROUP, qk_scale,
-    softmax_scale,
-    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+    softmax_scale, window_left,
+    CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+    STAGES: gl.constexpr,
 ):  # fmt: skip
     """Grid (N / (2 * BLOCK_M), B * H): dQ of 2 * BLOCK_M query rows, laid out as the forward's program."""
     pid_m = gl.program_id(0)
@@ -382,21 +427,19 @@ def attention_backward_dq_sm90_kernel(
         tma.async_copy_global_to_shared(q_desc, [q_row + w * BLOCK_M, q_col], q_bar, q_bufs.index(w))
         tma.async_copy_global_to_shared(do_desc, [q_row + w * BLOCK_M, q_col], q_bar, do_bufs.index(w))
 
-    n_tiles = N // BLOCK_N
-    if CAUSAL:
-        n_tiles = gl.cdiv(m0 + 2 * BLOCK_M, BLOCK_N)
+    key0, n_tiles = _key_tiles(m0, 2 * BLOCK_M, N, window_left, CAUSAL, LEFT, BLOCK_N)
     lse = LSE + b * stride_lb + h * stride_lh + m0
     delta = DELTA + b * stride_lb + h * stride_lh + m0
     gl.warp_specialize(
         [
             (_dq_consumer, (dq_desc, q_bufs.index(0), do_bufs.index(0), k_bufs, v_bufs, q_bar, ready, empty, lse,
-                            delta, q_row, q_col, m0, n_tiles, qk_scale, softmax_scale, CAUSAL, BLOCK_M, BLOCK_N, D,
-                            STAGES)),
+                            delta, q_row, q_col, m0, key0, n_tiles, qk_scale, softmax_scale, window_left, CAUSAL,
+                            LEFT, BLOCK_M, BLOCK_N, D, STAGES)),
             (_dq_consumer, (dq_desc, q_bufs.index(1), do_bufs.index(1), k_bufs, v_bufs, q_bar, ready, empty,
-                            lse + BLOCK_M, delta + BLOCK_M, q_row + BLOCK_M, q_col, m0 + BLOCK_M, n_tiles, qk_scale,
-                            softmax_scale, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES)),
-            (_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, b * N, (h // GROUP) * D, n_tiles, BLOCK_N,
-                         STAGES)),
+                            lse + BLOCK_M, delta + BLOCK_M, q_row + BLOCK_M, q_col, m0 + BLOCK_M, key0, n_tiles,
+                            qk_scale, softmax_scale, window_left, CAUSAL, LEFT, BLOCK_M, BLOCK_N, D, STAGES)),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, b * N + key0, (h // GROUP) * D, n_tiles,
+                         BLOCK_N, STAGES)),
         ],
         [4, 1],
         [232, 24],
