@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-from flashtriton import mods, triton_backend
+from flashtriton import mods, triton_backend, validation
 from flashtriton.block_mask import create_block_mask
 from flashtriton.kernels import config
 from flashtriton.params import AttentionParams
@@ -85,6 +85,9 @@ def compile_only():
 def _cases(n: int, head_dim: int) -> dict:
     scale = head_dim**-0.5
     cu = torch.tensor([0, n // 3, n], dtype=torch.int32)
+    tiled = torch.tensor([0, n // 256 * 128, n], dtype=torch.int32)  # whole 128-row tiles when n is
+    for x in (cu, tiled):
+        validation.host_read(x, "values", torch.Tensor.tolist)  # as the API's checks do
     ids = (torch.arange(n) // max(n // 4, 1)).to(torch.int32)
     documents = mods.and_masks(mods.document_mask(ids), mods.causal_mask())
     slopes = torch.rand(2, 8)
@@ -98,6 +101,12 @@ def _cases(n: int, head_dim: int) -> dict:
         "varlen": (
             True,
             AttentionParams(scale, window_right=0, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n, max_seqlen_k=n),
+        ),
+        "varlen tiles": (
+            True,
+            AttentionParams(
+                scale, window_right=0, cu_seqlens_q=tiled, cu_seqlens_k=tiled, max_seqlen_q=n, max_seqlen_k=n
+            ),
         ),
         "block mask": (False, AttentionParams(scale, block_mask=create_block_mask(documents, None, None, n, n))),
     }

@@ -442,10 +442,15 @@ SELF_SEQLENS = {  # one cu_seqlens for q and k, as flash_attn_varlen_qkvpacked_f
 }
 
 
+# sequences of whole 128-row tiles (one empty): the sm90 Gluon kernels' varlen path
+TILED_SEQLENS = Seqlens(q=(256, 0, 1024, 128), k=(256, 0, 1024, 128), heads=8, heads_k=4, head_dim=128)
+
+
 def _varlen_cases(size: str) -> list[Case]:
     lens, same = SEQLENS[size], SELF_SEQLENS[size]
     window = {"tiny": (6, 2), "cpu": (64, 16), "gpu": (256, 32)}[size]
-    return [
+    tiled = [Case(TILED_SEQLENS), Case(TILED_SEQLENS, causal=True), Case(TILED_SEQLENS, causal=True, window=(200, -1))]
+    return (tiled if size == "gpu" else []) + [
         Case(lens),
         Case(lens, causal=True),
         Case(lens, window=window, softcap=2.0),

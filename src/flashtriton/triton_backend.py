@@ -26,6 +26,7 @@ from .kernels.backward import (
 )
 from .kernels.forward import attention_forward_kernel
 from .params import NO_BOUND, AttentionParams, lse_shape
+from .validation import host_read_cached
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -103,32 +104,46 @@ def _plain(p: AttentionParams) -> bool:
     return not (p.softcap > 0 or p.alibi_slopes is not None or p.dropout_p > 0 or p.score_mod is not None)
 
 
+def _whole_sequences(p: AttentionParams, n: int, tile: int) -> bool:
+    """Every sequence is self-attention of a whole number of tiles: n rows each or, varlen, the same
+    cu_seqlens for queries and keys, as the API's validation read them to the host (never a new read)."""
+    if not p.varlen:
+        return n % tile == 0
+    found_q, starts_q = host_read_cached(p.cu_seqlens_q, "values")
+    found_k, starts_k = host_read_cached(p.cu_seqlens_k, "values")
+    return found_q and found_k and starts_q == starts_k and all(start % tile == 0 for start in starts_q)
+
+
 def _hopper_fits(p: AttentionParams, tile: int, *tensors: torch.Tensor) -> bool:
     """The Gluon kernels' scope (kernels/hopper.py): plain dense, causal or causal sliding-window
-    self-attention whose length is a multiple of ``tile``, in layouts TMA reads (tensors: q, k, v and
-    any more)."""
+    self-attention whose sequences are whole numbers of ``tile`` rows, in layouts TMA reads (tensors:
+    q, k, v and any more)."""
     n = tensors[0].shape[1]
     return (
         _plain(p)
-        and not p.varlen
         and p.block_mask is None
         and (p.window_right == 0 or (p.window_right == NO_BOUND and p.window_left == NO_BOUND))
         and all(x.shape[1] == n and _tma_fits(x, x.shape[-1]) for x in tensors)
-        and n % tile == 0
+        and _whole_sequences(p, n, tile)
     )
 
 
-def _hopper_band(p: AttentionParams) -> dict:
-    return dict(CAUSAL=p.window_right == 0, LEFT=p.window_left != NO_BOUND)
+def _hopper_common(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, p: AttentionParams) -> tuple[int, int, dict]:
+    """(batch, longest sequence, the arguments every Gluon kernel takes)."""
+    batch, n, _ = _lengths(q, k, p)
+    stride_lb, stride_lh = _lse_strides(lse, p.varlen)
+    return batch, n, dict(
+        stride_lb=stride_lb, stride_lh=stride_lh, N=n, H=q.shape[2], GROUP=q.shape[2] // k.shape[2],
+        qk_scale=p.softmax_scale * LOG2E, window_left=max(p.window_left, 0), CU_SEQLENS=p.cu_seqlens_q,
+        CAUSAL=p.window_right == 0, LEFT=p.window_left != NO_BOUND, VARLEN=p.varlen, D=q.shape[3], num_warps=4,
+    )  # fmt: skip
 
 
 def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperForwardConfig) -> None:
-    batch, n, heads, d = q.shape
-    hopper.attention_forward_sm90_kernel[(n // (2 * cfg.block_m), batch * heads)](
+    batch, n, common = _hopper_common(q, k, lse, p)
+    hopper.attention_forward_sm90_kernel[(triton.cdiv(n, 2 * cfg.block_m), batch * common["H"])](
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
-        _gluon_view(out, cfg.block_m), lse, lse.stride(0), lse.stride(1), n, heads, heads // k.shape[2],
-        p.softmax_scale * LOG2E, max(p.window_left, 0), **_hopper_band(p),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d, STAGES=cfg.stages, num_warps=4,
+        _gluon_view(out, cfg.block_m), lse, **common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
     )  # fmt: skip
 
 
@@ -215,25 +230,21 @@ def _lengths(q: torch.Tensor, k: torch.Tensor, p: AttentionParams) -> tuple[int,
 
 
 def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, p: AttentionParams, cfg: config.HopperBackwardConfig) -> None:
-    batch, n, heads, d = q.shape
-    heads_k = k.shape[2]
-    hopper.attention_backward_dkdv_sm90_kernel[(n // (2 * cfg.block_n), batch * heads_k)](
+    batch, n, common = _hopper_common(q, k, lse, p)
+    hopper.attention_backward_dkdv_sm90_kernel[(triton.cdiv(n, 2 * cfg.block_n), batch * k.shape[2])](
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
-        _gluon_view(dout, cfg.block_m), _gluon_view(dk, cfg.block_n), _gluon_view(dv, cfg.block_n),
-        lse, delta, lse.stride(0), lse.stride(1), n, heads, heads // heads_k, p.softmax_scale * LOG2E,
-        p.softmax_scale, max(p.window_left, 0), **_hopper_band(p),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d, STAGES=cfg.stages, num_warps=4,
+        _gluon_view(dout, cfg.block_m), _gluon_view(dk, cfg.block_n), _gluon_view(dv, cfg.block_n), lse, delta,
+        softmax_scale=p.softmax_scale, **common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
     )  # fmt: skip
 
 
 def _hopper_dq(q, k, v, dout, lse, delta, dq, p: AttentionParams, cfg: config.HopperBackwardConfig) -> None:
-    batch, n, heads, d = q.shape
+    batch, n, common = _hopper_common(q, k, lse, p)
     block_m, block_n, stages = cfg.dq
-    hopper.attention_backward_dq_sm90_kernel[(n // (2 * block_m), batch * heads)](
+    hopper.attention_backward_dq_sm90_kernel[(triton.cdiv(n, 2 * block_m), batch * common["H"])](
         _gluon_view(q, block_m), _gluon_view(k, block_n), _gluon_view(v, block_n), _gluon_view(dout, block_m),
-        _gluon_view(dq, block_m), lse, delta, lse.stride(0), lse.stride(1), n, heads, heads // k.shape[2],
-        p.softmax_scale * LOG2E, p.softmax_scale, max(p.window_left, 0), **_hopper_band(p),
-        BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, num_warps=4,
+        _gluon_view(dq, block_m), lse, delta, softmax_scale=p.softmax_scale, **common,
+        BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
     )  # fmt: skip
 
 

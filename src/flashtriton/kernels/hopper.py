@@ -17,8 +17,9 @@ dQ: laid out as the forward, S = Q K^T, dP = dO V^T, dQ += dS K. The backward ke
 kernels' fixed summation order (no atomics): it is deterministic.
 
 Scope (triton_backend dispatches everything else to the portable kernels): bf16/fp16, head dims with
-a config row, no softcap / ALiBi / dropout / varlen / block mask / score_mod, causal or no mask,
-seqlen_q == seqlen_k a multiple of the program's rows, TMA-readable layouts.
+a config row, no softcap / ALiBi / dropout / block mask / score_mod; no mask, causal, or a causal sliding
+window; self-attention (seqlen_q == seqlen_k, or the same cu_seqlens) whose every sequence is a whole
+number of the program's rows; TMA-readable layouts.
 """
 
 from triton.experimental import gluon
@@ -52,6 +53,16 @@ def _in_band(rows, cols, window_left, LEFT: gl.constexpr):
     if LEFT:
         keep = keep & (cols >= rows - window_left)
     return keep
+
+
+@gluon.jit
+def _sequence(CU_SEQLENS, b, N, VARLEN: gl.constexpr):
+    """(first row of sequence b in the (rows, heads * D) views, its length, its first LSE column)."""
+    if VARLEN:
+        start = gl.load(CU_SEQLENS + b)
+        return start, gl.load(CU_SEQLENS + b + 1) - start, start
+    else:
+        return b * N, N, 0
 
 
 @gluon.jit
@@ -155,11 +166,12 @@ def _consumer(o_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, lse_ptrs, out
 
 @gluon.jit
 def attention_forward_sm90_kernel(
-    q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, N, H, GROUP, qk_scale, window_left,
-    CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-    STAGES: gl.constexpr,
+    q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, N, H, GROUP, qk_scale, window_left, CU_SEQLENS,
+    CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    D: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
-    """Grid (N / (2 * BLOCK_M), B * H); q/k/v/o_desc: (B * N, heads * D) views, blocks of [rows, D].
+    """Grid (N / (2 * BLOCK_M), B * H); q/k/v/o_desc: (rows, heads * D) views, blocks of [rows, D]: B
+    sequences of N rows, or with VARLEN sequence b at rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] (N the longest).
     CAUSAL: query i sees keys j <= i, and with LEFT only j >= i - window_left."""
     pid_m = gl.program_id(0)
     if CAUSAL:  # the longest rows first, so the short ones fill the last wave
@@ -168,9 +180,13 @@ def attention_forward_sm90_kernel(
     b = pid_bh // H
     h = pid_bh % H
     m0 = pid_m * (2 * BLOCK_M)
+    seq0, N, lse0 = _sequence(CU_SEQLENS, b, N, VARLEN)
+    if VARLEN:
+        if m0 >= N:
+            return
     q_col = h * D
     kv_col = (h // GROUP) * D
-    q_row = b * N + m0
+    q_row = seq0 + m0
     dtype: gl.constexpr = q_desc.dtype
 
     q_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, D], q_desc.layout)
@@ -190,7 +206,7 @@ def attention_forward_sm90_kernel(
     tma.async_copy_global_to_shared(q_desc, [q_row + BLOCK_M, q_col], q_bar, q_bufs.index(1))
 
     key0, n_tiles = _key_tiles(m0, 2 * BLOCK_M, N, window_left, CAUSAL, LEFT, BLOCK_N)
-    lse = LSE + b * stride_lb + h * stride_lh + m0
+    lse = LSE + b * stride_lb + h * stride_lh + lse0 + m0
     gl.warp_specialize(
         [
             (_consumer, (o_desc, q_bufs.index(0), k_bufs, v_bufs, q_bar, ready, empty, lse, q_row, q_col, m0,
@@ -198,7 +214,7 @@ def attention_forward_sm90_kernel(
             (_consumer, (o_desc, q_bufs.index(1), k_bufs, v_bufs, q_bar, ready, empty, lse + BLOCK_M,
                          q_row + BLOCK_M, q_col, m0 + BLOCK_M, key0, n_tiles, qk_scale, window_left, CAUSAL, LEFT,
                          BLOCK_M, BLOCK_N, D, STAGES)),
-            (_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, b * N + key0, kv_col, n_tiles, BLOCK_N,
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, seq0 + key0, kv_col, n_tiles, BLOCK_N,
                          STAGES)),
         ],
         [4, 1],
@@ -281,9 +297,9 @@ def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, re
 @gluon.jit
 def attention_backward_dkdv_sm90_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, stride_lb, stride_lh, N, H, GROUP,
-    qk_scale, softmax_scale, window_left,
-    CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-    STAGES: gl.constexpr,
+    qk_scale, softmax_scale, window_left, CU_SEQLENS,
+    CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    D: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     """Grid (N / (2 * BLOCK_N), B * HKV): dK, dV of 2 * BLOCK_N keys of one K/V head, two consumer
     warpgroups of BLOCK_N keys each, a producer warp streaming the (Q, dO) tiles of the GQA group."""
@@ -293,7 +309,11 @@ def attention_backward_dkdv_sm90_kernel(
     b = pid_bh // hkv
     hk = pid_bh % hkv
     n0 = pid_n * (2 * BLOCK_N)
-    kv_row = b * N + n0
+    seq0, N, lse0 = _sequence(CU_SEQLENS, b, N, VARLEN)
+    if VARLEN:
+        if n0 >= N:
+            return
+    kv_row = seq0 + n0
     kv_col = hk * D
     dtype: gl.constexpr = k_desc.dtype
 
@@ -323,9 +343,9 @@ def attention_backward_dkdv_sm90_kernel(
         last_query = gl.minimum(gl.cdiv(n0 + 2 * BLOCK_N + window_left, BLOCK_M) * BLOCK_M, N)
     n_steps = (last_query - first_query) // BLOCK_M
     h0 = hk * GROUP
-    lse = LSE + b * stride_lb + h0 * stride_lh
-    delta = DELTA + b * stride_lb + h0 * stride_lh
-    q_row = b * N + first_query
+    lse = LSE + b * stride_lb + h0 * stride_lh + lse0
+    delta = DELTA + b * stride_lb + h0 * stride_lh + lse0
+    q_row = seq0 + first_query
     gl.warp_specialize(
         [
             (_dkdv_consumer, (dk_desc, dv_desc, k_bufs.index(0), v_bufs.index(0), q_bufs, do_bufs, kv_bar, ready,
@@ -393,9 +413,9 @@ def _dq_consumer(dq_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, 
 @gluon.jit
 def attention_backward_dq_sm90_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, stride_lb, stride_lh, N, H, GROUP, qk_scale,
-    softmax_scale, window_left,
-    CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-    STAGES: gl.constexpr,
+    softmax_scale, window_left, CU_SEQLENS,
+    CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    D: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     """Grid (N / (2 * BLOCK_M), B * H): dQ of 2 * BLOCK_M query rows, laid out as the forward's program."""
     pid_m = gl.program_id(0)
@@ -405,8 +425,12 @@ def attention_backward_dq_sm90_kernel(
     b = pid_bh // H
     h = pid_bh % H
     m0 = pid_m * (2 * BLOCK_M)
+    seq0, N, lse0 = _sequence(CU_SEQLENS, b, N, VARLEN)
+    if VARLEN:
+        if m0 >= N:
+            return
     q_col = h * D
-    q_row = b * N + m0
+    q_row = seq0 + m0
     dtype: gl.constexpr = q_desc.dtype
 
     q_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, D], q_desc.layout)
@@ -428,8 +452,8 @@ def attention_backward_dq_sm90_kernel(
         tma.async_copy_global_to_shared(do_desc, [q_row + w * BLOCK_M, q_col], q_bar, do_bufs.index(w))
 
     key0, n_tiles = _key_tiles(m0, 2 * BLOCK_M, N, window_left, CAUSAL, LEFT, BLOCK_N)
-    lse = LSE + b * stride_lb + h * stride_lh + m0
-    delta = DELTA + b * stride_lb + h * stride_lh + m0
+    lse = LSE + b * stride_lb + h * stride_lh + lse0 + m0
+    delta = DELTA + b * stride_lb + h * stride_lh + lse0 + m0
     gl.warp_specialize(
         [
             (_dq_consumer, (dq_desc, q_bufs.index(0), do_bufs.index(0), k_bufs, v_bufs, q_bar, ready, empty, lse,
@@ -438,7 +462,7 @@ def attention_backward_dq_sm90_kernel(
             (_dq_consumer, (dq_desc, q_bufs.index(1), do_bufs.index(1), k_bufs, v_bufs, q_bar, ready, empty,
                             lse + BLOCK_M, delta + BLOCK_M, q_row + BLOCK_M, q_col, m0 + BLOCK_M, key0, n_tiles,
                             qk_scale, softmax_scale, window_left, CAUSAL, LEFT, BLOCK_M, BLOCK_N, D, STAGES)),
-            (_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, b * N + key0, (h // GROUP) * D, n_tiles,
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, seq0 + key0, (h // GROUP) * D, n_tiles,
                          BLOCK_N, STAGES)),
         ],
         [4, 1],
