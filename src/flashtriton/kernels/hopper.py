@@ -22,6 +22,7 @@ window; self-attention (seqlen_q == seqlen_k, or the same cu_seqlens) whose ever
 number of the program's rows; TMA-readable layouts.
 """
 
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -34,6 +35,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 LN2 = gl.constexpr(0.6931471805599453)
 LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@triton.constexpr_function
+def _mma_layout(n):
+    """A warpgroup's wgmma accumulator layout for tiles n columns wide (64 rows)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@triton.constexpr_function
+def _operand_layout(n):
+    """The register layout of a 16-bit A operand whose product is n columns wide (an MMA's P or dS)."""
+    return gl.DotOperandLayout(operand_index=0, parent=_mma_layout(n), k_width=2)
 
 
 @gluon.jit
@@ -66,6 +79,18 @@ def _sequence(CU_SEQLENS, b, N, VARLEN: gl.constexpr):
 
 
 @gluon.jit
+def _query_program(N, H, CU_SEQLENS, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, ROWS: gl.constexpr):
+    """(batch, head, first query row in the sequence, then _sequence's three) of this program of ROWS
+    query rows; causal programs are numbered longest first, so the short ones fill the last wave."""
+    pid_m = gl.program_id(0)
+    if CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    pid_bh = gl.program_id(1)
+    seq0, n, lse0 = _sequence(CU_SEQLENS, pid_bh // H, N, VARLEN)
+    return pid_bh // H, pid_bh % H, pid_m * ROWS, seq0, n, lse0
+
+
+@gluon.jit
 def _key_tiles(m0, rows, N, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_N: gl.constexpr):
     """(first key, number of BLOCK_N-key tiles) that the query rows [m0, m0 + rows) see."""
     key0 = 0
@@ -75,6 +100,49 @@ def _key_tiles(m0, rows, N, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexp
     if CAUSAL:
         n_tiles = gl.cdiv(m0 + rows, BLOCK_N) - key0 // BLOCK_N
     return key0, n_tiles
+
+
+@gluon.jit
+def _tiles(desc, n: gl.constexpr):
+    """n shared-memory tiles shaped and laid out as desc's blocks."""
+    return gl.allocate_shared_memory(desc.dtype, [n, desc.block_type.shape[0], desc.block_type.shape[1]], desc.layout)
+
+
+@gluon.jit
+def _shared(a_desc, b_desc, STAGES: gl.constexpr):
+    """A program's ring and barriers: STAGES shared-memory slots, each for one a_desc and one b_desc tile;
+    ``ready[s]`` (the producer's loads into slot s have landed), ``empty[s]`` (both consumer warpgroups
+    are done with slot s: two arrivals) and ``resident`` (the tiles the consumers keep have landed)."""
+    a_bufs = _tiles(a_desc, STAGES)
+    b_bufs = _tiles(b_desc, STAGES)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    resident = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    mbarrier.init(resident, count=1)
+    fence_async_shared()
+    return a_bufs, b_bufs, ready, empty, resident
+
+
+@gluon.jit
+def _resident(desc, bar, row, col):
+    """The two consumer warpgroups' tiles of desc (rows ``row`` on, then the next block), loaded through
+    TMA onto ``bar``, whose expected bytes the caller has set."""
+    bufs = _tiles(desc, 2)
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(desc, [row + w * desc.block_type.shape[0], col], bar, bufs.index(w))
+    return bufs
+
+
+@gluon.jit
+def _store(desc, value, smem, row, col):
+    """value to desc's tile at (row, col) through TMA, staged in smem (a buffer the program no longer reads)."""
+    smem.store(value.to(desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc, [row, col], smem)
+    tma.store_wait(0)
 
 
 @gluon.jit
@@ -117,11 +185,9 @@ def _consumer(o_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, lse_ptrs, out
               BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """One warpgroup's BLOCK_M query rows. Tile j's S = Q K_j^T is issued together with tile j-1's
     O += P V_{j-1}; the softmax of S_j then runs while that second MMA does."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(D)
+    p_layout: gl.constexpr = _operand_layout(D)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_smem.dtype
@@ -158,10 +224,7 @@ def _consumer(o_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, lse_ptrs, out
 
     acc = acc / gl.expand_dims(gl.convert_layout(l_i, rows_o), 1)
     gl.store(lse_ptrs + gl.arange(0, BLOCK_M, rows_s), (m_i + gl.log2(l_i)) * LN2)
-    q_smem.store(acc.to(dtype))  # Q is no longer read: its buffer stages O for the TMA store
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [out_row, col], q_smem)
-    tma.store_wait(0)
+    _store(o_desc, acc, q_smem, out_row, col)  # Q is no longer read: its buffer stages O
 
 
 @gluon.jit
@@ -173,37 +236,16 @@ def attention_forward_sm90_kernel(
     """Grid (N / (2 * BLOCK_M), B * H); q/k/v/o_desc: (rows, heads * D) views, blocks of [rows, D]: B
     sequences of N rows, or with VARLEN sequence b at rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] (N the longest).
     CAUSAL: query i sees keys j <= i, and with LEFT only j >= i - window_left."""
-    pid_m = gl.program_id(0)
-    if CAUSAL:  # the longest rows first, so the short ones fill the last wave
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    pid_bh = gl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    m0 = pid_m * (2 * BLOCK_M)
-    seq0, N, lse0 = _sequence(CU_SEQLENS, b, N, VARLEN)
-    if VARLEN:
-        if m0 >= N:
-            return
+    b, h, m0, seq0, N, lse0 = _query_program(N, H, CU_SEQLENS, CAUSAL, VARLEN, 2 * BLOCK_M)
+    if m0 >= N:  # past the end of a shorter varlen sequence
+        return
     q_col = h * D
     kv_col = (h // GROUP) * D
     q_row = seq0 + m0
-    dtype: gl.constexpr = q_desc.dtype
 
-    q_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, D], q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
-    fence_async_shared()
-
+    k_bufs, v_bufs, ready, empty, q_bar = _shared(k_desc, v_desc, STAGES)
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_bufs.index(0))
-    tma.async_copy_global_to_shared(q_desc, [q_row + BLOCK_M, q_col], q_bar, q_bufs.index(1))
+    q_bufs = _resident(q_desc, q_bar, q_row, q_col)
 
     key0, n_tiles = _key_tiles(m0, 2 * BLOCK_M, N, window_left, CAUSAL, LEFT, BLOCK_N)
     lse = LSE + b * stride_lb + h * stride_lh + lse0 + m0
@@ -244,11 +286,9 @@ def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, re
                    BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """One warpgroup's BLOCK_N keys: for each streamed query tile, S^T = K Q^T and dP^T = V dO^T (both
     from shared memory), then dV += P^T dO and dK += dS^T Q with P^T and dS^T from registers."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M)
+    o_layout: gl.constexpr = _mma_layout(D)
+    a_layout: gl.constexpr = _operand_layout(D)
     queries: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = k_smem.dtype
 
@@ -286,12 +326,8 @@ def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, re
             mbarrier.arrive(empty.index(s), count=1)
 
     # K and V are no longer read: their buffers stage dK and dV for the TMA stores
-    k_smem.store((dk * softmax_scale).to(dtype))
-    v_smem.store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [out_row, out_col], k_smem)
-    tma.async_copy_shared_to_global(dv_desc, [out_row, out_col], v_smem)
-    tma.store_wait(0)
+    _store(dk_desc, dk * softmax_scale, k_smem, out_row, out_col)
+    _store(dv_desc, dv, v_smem, out_row, out_col)
 
 
 @gluon.jit
@@ -315,25 +351,11 @@ def attention_backward_dkdv_sm90_kernel(
             return
     kv_row = seq0 + n0
     kv_col = hk * D
-    dtype: gl.constexpr = k_desc.dtype
 
-    k_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], v_desc.layout)
-    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
-    fence_async_shared()
-
+    q_bufs, do_bufs, ready, empty, kv_bar = _shared(q_desc, do_desc, STAGES)
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-    for w in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [kv_row + w * BLOCK_N, kv_col], kv_bar, k_bufs.index(w))
-        tma.async_copy_global_to_shared(v_desc, [kv_row + w * BLOCK_N, kv_col], kv_bar, v_bufs.index(w))
+    k_bufs = _resident(k_desc, kv_bar, kv_row, kv_col)
+    v_bufs = _resident(v_desc, kv_bar, kv_row, kv_col)
 
     first_query = 0
     last_query = N
@@ -370,11 +392,9 @@ def _dq_consumer(dq_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, 
                  STAGES: gl.constexpr):  # fmt: skip
     """One warpgroup's BLOCK_M query rows: for each streamed key tile, S = Q K^T and dP = dO V^T (from
     shared memory), then dQ += dS K with dS from registers."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(D)
+    a_layout: gl.constexpr = _operand_layout(D)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = q_smem.dtype
 
@@ -404,10 +424,7 @@ def _dq_consumer(dq_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, 
         dq = warpgroup_mma_wait(0, deps=(dq, k))[0]
         mbarrier.arrive(empty.index(s), count=1)
 
-    q_smem.store((dq * softmax_scale).to(dtype))  # Q is no longer read: its buffer stages dQ
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dq_desc, [out_row, col], q_smem)
-    tma.store_wait(0)
+    _store(dq_desc, dq * softmax_scale, q_smem, out_row, col)
 
 
 @gluon.jit
@@ -418,38 +435,16 @@ def attention_backward_dq_sm90_kernel(
     D: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     """Grid (N / (2 * BLOCK_M), B * H): dQ of 2 * BLOCK_M query rows, laid out as the forward's program."""
-    pid_m = gl.program_id(0)
-    if CAUSAL:  # the longest rows first
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    pid_bh = gl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    m0 = pid_m * (2 * BLOCK_M)
-    seq0, N, lse0 = _sequence(CU_SEQLENS, b, N, VARLEN)
-    if VARLEN:
-        if m0 >= N:
-            return
+    b, h, m0, seq0, N, lse0 = _query_program(N, H, CU_SEQLENS, CAUSAL, VARLEN, 2 * BLOCK_M)
+    if m0 >= N:  # past the end of a shorter varlen sequence
+        return
     q_col = h * D
     q_row = seq0 + m0
-    dtype: gl.constexpr = q_desc.dtype
 
-    q_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, D], q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, D], do_desc.layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
-    fence_async_shared()
-
+    k_bufs, v_bufs, ready, empty, q_bar = _shared(k_desc, v_desc, STAGES)
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
-    for w in gl.static_range(2):
-        tma.async_copy_global_to_shared(q_desc, [q_row + w * BLOCK_M, q_col], q_bar, q_bufs.index(w))
-        tma.async_copy_global_to_shared(do_desc, [q_row + w * BLOCK_M, q_col], q_bar, do_bufs.index(w))
+    q_bufs = _resident(q_desc, q_bar, q_row, q_col)
+    do_bufs = _resident(do_desc, q_bar, q_row, q_col)
 
     key0, n_tiles = _key_tiles(m0, 2 * BLOCK_M, N, window_left, CAUSAL, LEFT, BLOCK_N)
     lse = LSE + b * stride_lb + h * stride_lh + lse0 + m0
