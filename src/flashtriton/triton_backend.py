@@ -238,12 +238,13 @@ def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, p: AttentionParams, cfg: con
     )  # fmt: skip
 
 
-def _hopper_dq(q, k, v, dout, lse, delta, dq, p: AttentionParams, cfg: config.HopperBackwardConfig) -> None:
+def _hopper_dq(q, k, v, out, dout, lse, dlse, delta, dq, p: AttentionParams, cfg: config.HopperBackwardConfig):
+    """dQ, and delta = rowsum(dO * O) - dLSE (written for the dK/dV kernel) in the same pass."""
     batch, n, common = _hopper_common(q, k, lse, p)
     block_m, block_n, stages = cfg.dq
     hopper.attention_backward_dq_sm90_kernel[(triton.cdiv(n, 2 * block_m), batch * common["H"])](
         _gluon_view(q, block_m), _gluon_view(k, block_n), _gluon_view(v, block_n), _gluon_view(dout, block_m),
-        _gluon_view(dq, block_m), lse, delta, softmax_scale=p.softmax_scale, **common,
+        _gluon_view(dq, block_m), lse, delta, out, dlse, out.stride(1), softmax_scale=p.softmax_scale, **common,
         BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
     )  # fmt: skip
 
@@ -320,12 +321,6 @@ def backward(
     lse_strides = _lse_strides(lse, p.varlen)
 
     delta = torch.empty_like(lse)
-    block = config.PREPROCESS_BLOCK_M
-    attention_backward_preprocess_kernel[(triton.cdiv(n_q, block), batch * heads)](
-        out, dout, dlse, delta, *_strides(out, p.varlen), *_strides(dout, p.varlen), *lse_strides,
-        N_Q=n_q, CU_SEQLENS_Q=p.cu_seqlens_q, BLOCK_M=block, VARLEN=p.varlen, **common,
-    )  # fmt: skip
-
     dq = torch.empty(q.shape, dtype=run_dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=run_dtype, device=q.device)
     dv = torch.empty(v.shape, dtype=run_dtype, device=q.device)
@@ -334,7 +329,16 @@ def backward(
     hopper_tile = 0 if hopper_cfg is None else math.lcm(hopper_cfg.block_m, 2 * hopper_cfg.block_n)
     if hopper_cfg is not None and hopper_cfg.dq is not None:
         hopper_tile = math.lcm(hopper_tile, 2 * hopper_cfg.dq[0], hopper_cfg.dq[1])
-    on_hopper = hopper_cfg is not None and _hopper_fits(p, hopper_tile, q, k, v, dout)
+    on_hopper = hopper_cfg is not None and _hopper_fits(p, hopper_tile, q, k, v, dout, out)
+    gluon_dq = on_hopper and hopper_cfg.dq is not None
+    if gluon_dq:  # it also computes delta, for the dK/dV kernel after it
+        _hopper_dq(q, k, v, out, dout, lse, dlse, delta, dq, p, hopper_cfg)
+    else:
+        block = config.PREPROCESS_BLOCK_M
+        attention_backward_preprocess_kernel[(triton.cdiv(n_q, block), batch * heads)](
+            out, dout, dlse, delta, *_strides(out, p.varlen), *_strides(dout, p.varlen), *lse_strides,
+            N_Q=n_q, CU_SEQLENS_Q=p.cu_seqlens_q, BLOCK_M=block, VARLEN=p.varlen, **common,
+        )  # fmt: skip
     if on_hopper:
         _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, p, hopper_cfg)
     else:
@@ -347,9 +351,7 @@ def backward(
             EVEN_M=_even(n_q, _sparse_block(block_m, mask, 0), p), EVEN_N=_even(n_k, block_n, p),
             num_warps=cfg.num_warps, num_stages=cfg.stages_kv, **_tile_lists(mask, transposed=True), **kernel_args,
         )  # fmt: skip
-    if on_hopper and hopper_cfg.dq is not None:
-        _hopper_dq(q, k, v, dout, lse, delta, dq, p, hopper_cfg)
-    else:
+    if not gluon_dq:
         block_m, block_n = _tile(cfg.block_m_q, mask, 0), _tile(cfg.block_n_q, mask, 1)
         attention_backward_dq_kernel[(triton.cdiv(n_q, block_m), batch * heads)](
             q, k, v, dout, lse, delta, dq,

@@ -386,12 +386,13 @@ def attention_backward_dkdv_sm90_kernel(
 
 
 @gluon.jit
-def _dq_consumer(dq_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, lse_ptr, delta_ptr, out_row,
-                 col, first_row, key0, n_tiles, qk_scale, softmax_scale, window_left, CAUSAL: gl.constexpr,
-                 LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                 STAGES: gl.constexpr):  # fmt: skip
-    """One warpgroup's BLOCK_M query rows: for each streamed key tile, S = Q K^T and dP = dO V^T (from
-    shared memory), then dQ += dS K with dS from registers."""
+def _dq_consumer(dq_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, lse_ptr, delta_ptr, o_ptr,
+                 dlse_ptr, stride_o, out_row, col, first_row, key0, n_tiles, qk_scale, softmax_scale, window_left,
+                 CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """One warpgroup's BLOCK_M query rows: first delta = rowsum(dO * O) - dLSE (the portable path's
+    preprocess kernel; stored for the dK/dV kernel), then for each streamed key tile S = Q K^T and
+    dP = dO V^T (from shared memory), and dQ += dS K with dS from registers."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(D)
     a_layout: gl.constexpr = _operand_layout(D)
@@ -402,8 +403,14 @@ def _dq_consumer(dq_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, 
     dq = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
     rows = first_row + gl.arange(0, BLOCK_M, rows_s)
     lse2 = gl.expand_dims(gl.load(lse_ptr + gl.arange(0, BLOCK_M, rows_s)) * LOG2E, 1)
-    delta = gl.expand_dims(gl.load(delta_ptr + gl.arange(0, BLOCK_M, rows_s)), 1)
+    tile: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    offsets = gl.expand_dims(gl.arange(0, BLOCK_M, gl.SliceLayout(1, tile)), 1) * stride_o
+    o = gl.load(o_ptr + offsets + gl.expand_dims(gl.arange(0, D, gl.SliceLayout(0, tile)), 0)).to(gl.float32)
     mbarrier.wait(q_bar, 0)
+    delta = gl.convert_layout(gl.sum(o * do_smem.load(tile).to(gl.float32), 1), rows_s)
+    delta = delta - gl.load(dlse_ptr + gl.arange(0, BLOCK_M, rows_s))
+    gl.store(delta_ptr + gl.arange(0, BLOCK_M, rows_s), delta)
+    delta = gl.expand_dims(delta, 1)
     for j in range(n_tiles):
         s = j % STAGES
         mbarrier.wait(ready.index(s), (j // STAGES) & 1)
@@ -429,12 +436,13 @@ def _dq_consumer(dq_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, 
 
 @gluon.jit
 def attention_backward_dq_sm90_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, stride_lb, stride_lh, N, H, GROUP, qk_scale,
-    softmax_scale, window_left, CU_SEQLENS,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, O, DLSE, stride_o, stride_lb, stride_lh, N, H, GROUP,
+    qk_scale, softmax_scale, window_left, CU_SEQLENS,
     CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     D: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
-    """Grid (N / (2 * BLOCK_M), B * H): dQ of 2 * BLOCK_M query rows, laid out as the forward's program."""
+    """Grid (N / (2 * BLOCK_M), B * H): dQ (and delta) of 2 * BLOCK_M query rows, laid out as the forward's
+    program; O: the forward's output, rows stride_o apart in the (rows, heads * D) view."""
     b, h, m0, seq0, N, lse0 = _query_program(N, H, CU_SEQLENS, CAUSAL, VARLEN, 2 * BLOCK_M)
     if m0 >= N:  # past the end of a shorter varlen sequence
         return
@@ -447,15 +455,16 @@ def attention_backward_dq_sm90_kernel(
     do_bufs = _resident(do_desc, q_bar, q_row, q_col)
 
     key0, n_tiles = _key_tiles(m0, 2 * BLOCK_M, N, window_left, CAUSAL, LEFT, BLOCK_N)
-    lse = LSE + b * stride_lb + h * stride_lh + lse0 + m0
-    delta = DELTA + b * stride_lb + h * stride_lh + lse0 + m0
+    row = b * stride_lb + h * stride_lh + lse0 + m0  # of LSE, DLSE and DELTA
+    o = O + q_row.to(gl.int64) * stride_o + q_col
     gl.warp_specialize(
         [
-            (_dq_consumer, (dq_desc, q_bufs.index(0), do_bufs.index(0), k_bufs, v_bufs, q_bar, ready, empty, lse,
-                            delta, q_row, q_col, m0, key0, n_tiles, qk_scale, softmax_scale, window_left, CAUSAL,
-                            LEFT, BLOCK_M, BLOCK_N, D, STAGES)),
+            (_dq_consumer, (dq_desc, q_bufs.index(0), do_bufs.index(0), k_bufs, v_bufs, q_bar, ready, empty,
+                            LSE + row, DELTA + row, o, DLSE + row, stride_o, q_row, q_col, m0, key0, n_tiles,
+                            qk_scale, softmax_scale, window_left, CAUSAL, LEFT, BLOCK_M, BLOCK_N, D, STAGES)),
             (_dq_consumer, (dq_desc, q_bufs.index(1), do_bufs.index(1), k_bufs, v_bufs, q_bar, ready, empty,
-                            lse + BLOCK_M, delta + BLOCK_M, q_row + BLOCK_M, q_col, m0 + BLOCK_M, key0, n_tiles,
+                            LSE + row + BLOCK_M, DELTA + row + BLOCK_M, o + BLOCK_M * stride_o,
+                            DLSE + row + BLOCK_M, stride_o, q_row + BLOCK_M, q_col, m0 + BLOCK_M, key0, n_tiles,
                             qk_scale, softmax_scale, window_left, CAUSAL, LEFT, BLOCK_M, BLOCK_N, D, STAGES)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, seq0 + key0, (h // GROUP) * D, n_tiles,
                          BLOCK_N, STAGES)),
