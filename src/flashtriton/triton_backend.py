@@ -241,11 +241,11 @@ def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, p: AttentionParams, cfg: con
 def _hopper_dq(q, k, v, out, dout, lse, dlse, delta, dq, p: AttentionParams, cfg: config.HopperBackwardConfig):
     """dQ, and delta = rowsum(dO * O) - dLSE (written for the dK/dV kernel) in the same pass."""
     batch, n, common = _hopper_common(q, k, lse, p)
-    block_m, block_n, stages = cfg.dq
-    hopper.attention_backward_dq_sm90_kernel[(triton.cdiv(n, 2 * block_m), batch * common["H"])](
-        _gluon_view(q, block_m), _gluon_view(k, block_n), _gluon_view(v, block_n), _gluon_view(dout, block_m),
-        _gluon_view(dq, block_m), lse, delta, out, dlse, out.stride(1), softmax_scale=p.softmax_scale, **common,
-        BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+    tiles = cfg.dq
+    hopper.attention_backward_dq_sm90_kernel[(triton.cdiv(n, 2 * tiles.block_m), batch * common["H"])](
+        _gluon_view(q, tiles.block_m), _gluon_view(k, tiles.block_n), _gluon_view(v, tiles.block_n),
+        _gluon_view(dout, tiles.block_m), _gluon_view(dq, tiles.block_m), lse, delta, out, dlse, out.stride(1),
+        softmax_scale=p.softmax_scale, **common, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, STAGES=tiles.stages,
     )  # fmt: skip
 
 
@@ -263,7 +263,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
     arch = config.arch_of(q.device, interpreting())
     span = _span(p, n_q, n_k)
     hopper_cfg = config.hopper_forward_config(arch, head_dim, run_dtype, span)
-    if hopper_cfg is not None and _hopper_fits(p, math.lcm(2 * hopper_cfg.block_m, hopper_cfg.block_n), q, k, v):
+    if hopper_cfg is not None and _hopper_fits(p, hopper_cfg.rows, q, k, v):
         _hopper_forward(q, k, v, out, lse, p, hopper_cfg)
         return out.view(shape).to(out_dtype), lse
     cfg = config.forward_config(arch, head_dim, run_dtype, span, _plain(p))
@@ -326,40 +326,33 @@ def backward(
     dv = torch.empty(v.shape, dtype=run_dtype, device=q.device)
     mask = p.block_mask
     hopper_cfg = config.hopper_backward_config(arch, head_dim, run_dtype)
-    hopper_tile = 0 if hopper_cfg is None else math.lcm(hopper_cfg.block_m, 2 * hopper_cfg.block_n)
-    if hopper_cfg is not None and hopper_cfg.dq is not None:
-        hopper_tile = math.lcm(hopper_tile, 2 * hopper_cfg.dq[0], hopper_cfg.dq[1])
-    on_hopper = hopper_cfg is not None and _hopper_fits(p, hopper_tile, q, k, v, dout, out)
-    gluon_dq = on_hopper and hopper_cfg.dq is not None
-    if gluon_dq:  # it also computes delta, for the dK/dV kernel after it
+    on_hopper = hopper_cfg is not None and _hopper_fits(p, hopper_cfg.rows, q, k, v, dout, out)
+    if on_hopper:  # dQ also computes delta, for the dK/dV kernel after it
         _hopper_dq(q, k, v, out, dout, lse, dlse, delta, dq, p, hopper_cfg)
-    else:
-        block = config.PREPROCESS_BLOCK_M
-        attention_backward_preprocess_kernel[(triton.cdiv(n_q, block), batch * heads)](
-            out, dout, dlse, delta, *_strides(out, p.varlen), *_strides(dout, p.varlen), *lse_strides,
-            N_Q=n_q, CU_SEQLENS_Q=p.cu_seqlens_q, BLOCK_M=block, VARLEN=p.varlen, **common,
-        )  # fmt: skip
-    if on_hopper:
         _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, p, hopper_cfg)
-    else:
-        block_m, block_n = _tile(cfg.block_m_kv, mask, 0), _tile(cfg.block_n_kv, mask, 1)
-        attention_backward_dkdv_kernel[(triton.cdiv(n_k, block_n), batch * heads_k)](
-            q, k, v, dout, lse, delta, dk, dv,
-            _tma_view(q, block_m, block_d, cfg.tma), _tma_view(dout, block_m, block_d, cfg.tma),
-            *(s for x in (q, k, v, dout, dk, dv) for s in _strides(x, p.varlen)), *lse_strides,
-            BLOCK_M=block_m, BLOCK_N=block_n,
-            EVEN_M=_even(n_q, _sparse_block(block_m, mask, 0), p), EVEN_N=_even(n_k, block_n, p),
-            num_warps=cfg.num_warps, num_stages=cfg.stages_kv, **_tile_lists(mask, transposed=True), **kernel_args,
-        )  # fmt: skip
-    if not gluon_dq:
-        block_m, block_n = _tile(cfg.block_m_q, mask, 0), _tile(cfg.block_n_q, mask, 1)
-        attention_backward_dq_kernel[(triton.cdiv(n_q, block_m), batch * heads)](
-            q, k, v, dout, lse, delta, dq,
-            _tma_view(k, block_n, block_d, cfg.tma), _tma_view(v, block_n, block_d, cfg.tma),
-            *(s for x in (q, k, v, dout, dq) for s in _strides(x, p.varlen)), *lse_strides,
-            BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=_even(n_q, block_m, p),
-            EVEN_N=_even(n_k, _sparse_block(block_n, mask, 1), p),
-            num_warps=cfg.warps_q or cfg.num_warps, num_stages=cfg.stages_q, **_tile_lists(mask, transposed=False),
-            **kernel_args,
-        )  # fmt: skip
+        return tuple(g.view(shape).to(grad_dtype) for g, shape in zip((dq, dk, dv), shapes, strict=True))
+    block = config.PREPROCESS_BLOCK_M
+    attention_backward_preprocess_kernel[(triton.cdiv(n_q, block), batch * heads)](
+        out, dout, dlse, delta, *_strides(out, p.varlen), *_strides(dout, p.varlen), *lse_strides,
+        N_Q=n_q, CU_SEQLENS_Q=p.cu_seqlens_q, BLOCK_M=block, VARLEN=p.varlen, **common,
+    )  # fmt: skip
+    block_m, block_n = _tile(cfg.block_m_kv, mask, 0), _tile(cfg.block_n_kv, mask, 1)
+    attention_backward_dkdv_kernel[(triton.cdiv(n_k, block_n), batch * heads_k)](
+        q, k, v, dout, lse, delta, dk, dv,
+        _tma_view(q, block_m, block_d, cfg.tma), _tma_view(dout, block_m, block_d, cfg.tma),
+        *(s for x in (q, k, v, dout, dk, dv) for s in _strides(x, p.varlen)), *lse_strides,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        EVEN_M=_even(n_q, _sparse_block(block_m, mask, 0), p), EVEN_N=_even(n_k, block_n, p),
+        num_warps=cfg.num_warps, num_stages=cfg.stages_kv, **_tile_lists(mask, transposed=True), **kernel_args,
+    )  # fmt: skip
+    block_m, block_n = _tile(cfg.block_m_q, mask, 0), _tile(cfg.block_n_q, mask, 1)
+    attention_backward_dq_kernel[(triton.cdiv(n_q, block_m), batch * heads)](
+        q, k, v, dout, lse, delta, dq,
+        _tma_view(k, block_n, block_d, cfg.tma), _tma_view(v, block_n, block_d, cfg.tma),
+        *(s for x in (q, k, v, dout, dq) for s in _strides(x, p.varlen)), *lse_strides,
+        BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=_even(n_q, block_m, p),
+        EVEN_N=_even(n_k, _sparse_block(block_n, mask, 1), p),
+        num_warps=cfg.warps_q or cfg.num_warps, num_stages=cfg.stages_q, **_tile_lists(mask, transposed=False),
+        **kernel_args,
+    )  # fmt: skip
     return tuple(g.view(shape).to(grad_dtype) for g, shape in zip((dq, dk, dv), shapes, strict=True))

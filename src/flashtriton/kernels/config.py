@@ -16,6 +16,7 @@ starting point that only fits shared memory.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -64,16 +65,25 @@ class HopperForwardConfig:
     stages: int  # K/V tiles in flight (slots of the shared-memory ring)
     min_span: int = 0  # shorter spans (as forward_config's) run the portable kernel
 
+    @property
+    def rows(self) -> int:
+        """Sequences must be whole multiples of this many rows (a program's, and a K/V tile's)."""
+        return math.lcm(2 * self.block_m, self.block_n)
+
 
 @dataclass(frozen=True)
 class HopperBackwardConfig:
-    """The Gluon sm90 backward kernels (kernels/hopper.py)."""
+    """The Gluon sm90 backward: the dQ kernel (which also computes delta) and the dK/dV kernel after it."""
 
+    dq: HopperForwardConfig  # the dQ kernel's tiles, laid out as the forward's (min_span unused)
     block_m: int  # dK/dV: query rows per streamed step
     block_n: int  # dK/dV: keys per consumer warpgroup; a program has two
     stages: int  # dK/dV: (Q, dO) tiles in flight
-    # the Gluon dQ kernel's (block_m, block_n, stages), named as the forward's; None: the portable dQ
-    dq: tuple[int, int, int] | None = None
+
+    @property
+    def rows(self) -> int:
+        """Sequences must be whole multiples of this many rows (of both kernels' programs and tiles)."""
+        return math.lcm(self.dq.rows, self.block_m, 2 * self.block_n)
 
 
 # Rows of the preprocessing kernel (delta = rowsum(dO * O)) per program.
@@ -137,7 +147,7 @@ _SM90_HOPPER_FORWARD = {64: HopperForwardConfig(64, 128, 3, min_span=2048), 128:
 # behind). D=64 dK/dV loses (16k 14.12 -> 14.35 ms, causal 7.33 -> 7.64; 128-query steps worse), so D=64 keeps
 # the portable kernels. Issuing dK/dV's next S^T and dP^T behind dV and dK (cross-step overlap) was slower:
 # D=128 16k 14.50 ms.
-_SM90_HOPPER_BACKWARD = {128: HopperBackwardConfig(64, 64, 3, dq=(64, 128, 2))}
+_SM90_HOPPER_BACKWARD = {128: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3)}
 
 # Other CUDA GPUs (smaller shared memory than Hopper): conservative tiles.
 _CUDA_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
@@ -206,7 +216,7 @@ def hopper_forward_config(arch: str, head_dim: int, dtype: torch.dtype, span: in
 
 
 def hopper_backward_config(arch: str, head_dim: int, dtype: torch.dtype) -> HopperBackwardConfig | None:
-    """The Gluon dK/dV kernel's config, or None where it does not run (backward_config's kernels do)."""
+    """The Gluon backward's config, or None where it does not run (backward_config's kernels do)."""
     return _SM90_HOPPER_BACKWARD.get(head_dim) if arch == "sm90" and dtype != torch.float32 else None
 
 
