@@ -99,6 +99,12 @@ def _gluon_view(x: torch.Tensor, rows: int) -> GluonTensorDescriptor:
     return GluonTensorDescriptor(x, [batch * n, heads * d], [x.stride(1), 1], [rows, d], layout)
 
 
+def _gluon_rows(x: torch.Tensor, rows: int) -> GluonTensorDescriptor:
+    """A flat fp32 vector (LSE, delta) read through TMA in blocks of ``rows`` entries."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    return GluonTensorDescriptor(x, [x.numel()], [1], [rows], layout)
+
+
 def _plain(p: AttentionParams) -> bool:
     """No softcap, ALiBi, dropout or score_mod."""
     return not (p.softcap > 0 or p.alibi_slopes is not None or p.dropout_p > 0 or p.score_mod is not None)
@@ -124,6 +130,7 @@ def _hopper_fits(p: AttentionParams, tile: int, *tensors: torch.Tensor) -> bool:
         and p.block_mask is None
         and (p.window_right == 0 or (p.window_right == NO_BOUND and p.window_left == NO_BOUND))
         and all(x.shape[1] == n and _tma_fits(x, x.shape[-1]) for x in tensors)
+        and math.prod(tensors[0].shape[:3]) < 2**31  # LSE entries: the kernels' offsets into it are 32-bit
         and _whole_sequences(p, n, tile)
     )
 
@@ -233,8 +240,9 @@ def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, p: AttentionParams, cfg: con
     batch, n, common = _hopper_common(q, k, lse, p)
     hopper.attention_backward_dkdv_sm90_kernel[(triton.cdiv(n, 2 * cfg.block_n), batch * k.shape[2])](
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
-        _gluon_view(dout, cfg.block_m), _gluon_view(dk, cfg.block_n), _gluon_view(dv, cfg.block_n), lse, delta,
-        softmax_scale=p.softmax_scale, **common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+        _gluon_view(dout, cfg.block_m), _gluon_view(dk, cfg.block_n), _gluon_view(dv, cfg.block_n),
+        _gluon_rows(lse, cfg.block_m), _gluon_rows(delta, cfg.block_m), softmax_scale=p.softmax_scale, **common,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
     )  # fmt: skip
 
 

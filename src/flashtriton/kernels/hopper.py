@@ -13,7 +13,9 @@ softmax (or dS) arithmetic between its matrix multiplies, so the tensor cores id
 Forward: the consumers own BLOCK_M query rows each and stream K/V tiles: S = Q K^T (both from shared
 memory), P = exp2(S * qk_scale - m), O += P V (P from registers), the softmax of tile j running while
 the P V multiply of tile j - 1 does. dK/dV: the consumers own BLOCK_N keys each and stream the (Q, dO)
-tiles of every query head of their GQA group: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q.
+tiles of every query head of their GQA group, with those rows' LSE and delta (through TMA as well, so the
+per-step reads are shared-memory loads issued beside the MMAs): S^T = K Q^T, dP^T = V dO^T, dV += P^T dO,
+dK += dS^T Q.
 dQ: laid out as the forward, S = Q K^T, dP = dO V^T, dQ += dS K. The backward keeps the portable
 kernels' fixed summation order (no atomics): it is deterministic.
 
@@ -266,23 +268,31 @@ def attention_forward_sm90_kernel(
 
 
 @gluon.jit
-def _dkdv_producer(q_desc, do_desc, q_bufs, do_bufs, ready, empty, q_row, first_col, n_steps, GROUP,
-                   BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """Streams (Q, dO) tiles n_steps per query head of the GQA group, from query row q_row on."""
+def _dkdv_producer(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty,
+                   q_row, first_col, lse_row, stride_lh, n_steps, GROUP, BLOCK_M: gl.constexpr, D: gl.constexpr,
+                   STAGES: gl.constexpr):  # fmt: skip
+    """Streams (Q, dO, LSE, delta) tiles n_steps per query head of the GQA group, from query row q_row (LSE
+    entry lse_row) on."""
+    nbytes: gl.constexpr = (
+        q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes
+    )
     for g in range(GROUP):
         for j in range(n_steps):
             it = g * n_steps + j
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(s)
-            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            mbarrier.expect(bar, nbytes)
             tma.async_copy_global_to_shared(q_desc, [q_row + j * BLOCK_M, first_col + g * D], bar, q_bufs.index(s))
             tma.async_copy_global_to_shared(do_desc, [q_row + j * BLOCK_M, first_col + g * D], bar, do_bufs.index(s))
+            row = lse_row + g * stride_lh + j * BLOCK_M
+            tma.async_copy_global_to_shared(lse_desc, [row], bar, lse_bufs.index(s))
+            tma.async_copy_global_to_shared(delta_desc, [row], bar, delta_bufs.index(s))
 
 
 @gluon.jit
-def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty, lse_ptr, delta_ptr,
-                   stride_lh, out_row, out_col, first_key, first_query, n_steps, GROUP, qk_scale, softmax_scale,
+def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty,
+                   out_row, out_col, first_key, first_query, n_steps, GROUP, qk_scale, softmax_scale,
                    window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """One warpgroup's BLOCK_N keys: for each streamed query tile, S^T = K Q^T and dP^T = V dO^T (both
@@ -304,13 +314,12 @@ def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, re
             s = it % STAGES
             q0 = first_query + j * BLOCK_M
             rows = q0 + gl.arange(0, BLOCK_M, queries)
-            lse2 = gl.load(lse_ptr + g * stride_lh + rows) * LOG2E
-            delta = gl.load(delta_ptr + g * stride_lh + rows)
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             q = q_bufs.index(s)
             do = do_bufs.index(s)
             s_t = warpgroup_mma(k_smem, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             dp_t = warpgroup_mma(v_smem, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            lse2 = lse_bufs.index(s).load(queries) * LOG2E
             s_t = warpgroup_mma_wait(1, deps=(s_t, k_smem, q))[0]
             p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
             if CAUSAL:
@@ -318,6 +327,7 @@ def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, re
                     keep = _in_band(gl.expand_dims(rows, 0), gl.expand_dims(keys, 1), window_left, LEFT)
                     p_t = gl.where(keep, p_t, 0.0)
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv, is_async=True)
+            delta = delta_bufs.index(s).load(queries)
             dp_t = warpgroup_mma_wait(1, deps=(dp_t, v_smem, do))[0]
             ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
             dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q, dk, is_async=True)
@@ -333,13 +343,14 @@ def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, re
 
 @gluon.jit
 def attention_backward_dkdv_sm90_kernel(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, stride_lb, stride_lh, N, H, GROUP,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, stride_lb, stride_lh, N, H, GROUP,
     qk_scale, softmax_scale, window_left, CU_SEQLENS,
     CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     D: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     """Grid (N / (2 * BLOCK_N), B * HKV): dK, dV of 2 * BLOCK_N keys of one K/V head, two consumer
-    warpgroups of BLOCK_N keys each, a producer warp streaming the (Q, dO) tiles of the GQA group."""
+    warpgroups of BLOCK_N keys each, a producer warp streaming the (Q, dO, LSE, delta) tiles of the GQA
+    group; lse/delta_desc: LSE and DELTA as flat vectors, in blocks of BLOCK_M entries."""
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
     hkv = H // GROUP
@@ -354,6 +365,8 @@ def attention_backward_dkdv_sm90_kernel(
     kv_col = hk * D
 
     q_bufs, do_bufs, ready, empty, kv_bar = _shared(q_desc, do_desc, STAGES)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     k_bufs = _resident(k_desc, kv_bar, kv_row, kv_col)
     v_bufs = _resident(v_desc, kv_bar, kv_row, kv_col)
@@ -366,20 +379,19 @@ def attention_backward_dkdv_sm90_kernel(
         last_query = gl.minimum(gl.cdiv(n0 + 2 * BLOCK_N + window_left, BLOCK_M) * BLOCK_M, N)
     n_steps = (last_query - first_query) // BLOCK_M
     h0 = hk * GROUP
-    lse = LSE + b * stride_lb + h0 * stride_lh + lse0
-    delta = DELTA + b * stride_lb + h0 * stride_lh + lse0
+    lse_row = b * stride_lb + h0 * stride_lh + lse0 + first_query  # of LSE and DELTA, as flat vectors
     q_row = seq0 + first_query
     gl.warp_specialize(
         [
-            (_dkdv_consumer, (dk_desc, dv_desc, k_bufs.index(0), v_bufs.index(0), q_bufs, do_bufs, kv_bar, ready,
-                              empty, lse, delta, stride_lh, kv_row, kv_col, n0, first_query, n_steps, GROUP,
+            (_dkdv_consumer, (dk_desc, dv_desc, k_bufs.index(0), v_bufs.index(0), q_bufs, do_bufs, lse_bufs,
+                              delta_bufs, kv_bar, ready, empty, kv_row, kv_col, n0, first_query, n_steps, GROUP,
                               qk_scale, softmax_scale, window_left, CAUSAL, LEFT, BLOCK_M, BLOCK_N, D, STAGES)),
-            (_dkdv_consumer, (dk_desc, dv_desc, k_bufs.index(1), v_bufs.index(1), q_bufs, do_bufs, kv_bar, ready,
-                              empty, lse, delta, stride_lh, kv_row + BLOCK_N, kv_col, n0 + BLOCK_N, first_query,
+            (_dkdv_consumer, (dk_desc, dv_desc, k_bufs.index(1), v_bufs.index(1), q_bufs, do_bufs, lse_bufs,
+                              delta_bufs, kv_bar, ready, empty, kv_row + BLOCK_N, kv_col, n0 + BLOCK_N, first_query,
                               n_steps, GROUP, qk_scale, softmax_scale, window_left, CAUSAL, LEFT, BLOCK_M, BLOCK_N,
                               D, STAGES)),
-            (_dkdv_producer, (q_desc, do_desc, q_bufs, do_bufs, ready, empty, q_row, h0 * D, n_steps, GROUP,
-                              BLOCK_M, D, STAGES)),
+            (_dkdv_producer, (q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready,
+                              empty, q_row, h0 * D, lse_row, stride_lh, n_steps, GROUP, BLOCK_M, D, STAGES)),
         ],
         [4, 1],
         [232, 24],
