@@ -43,7 +43,8 @@ SHAPES = {
         Shape(2, 777, 1300, 4, 2, 256),
         Shape(1, 4096, 4096, 8, 2, 64),
         Shape(1, 3000, 2000, 4, 4, 128),
-        Shape(2, 1024, 1024, 8, 4, 128),  # whole 128-row tiles: the sm90 Gluon forward
+        Shape(2, 1024, 1024, 8, 4, 128),  # whole 128-row tiles: the sm90 Gluon kernels
+        Shape(1, 1280, 1280, 4, 2, 128),  # five 256-row forward tiles: a causal work unit of one tile
     ],
 }
 

@@ -146,11 +146,20 @@ def _hopper_common(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, p: Atten
     )  # fmt: skip
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperForwardConfig) -> None:
+    """The persistent Gluon forward: one program per SM (or per work unit, if fewer) loops over the units
+    (a query tile; causal, a long and a short one: kernels/hopper.py's _forward_tile)."""
     batch, n, common = _hopper_common(q, k, lse, p)
-    hopper.attention_forward_sm90_kernel[(triton.cdiv(n, 2 * cfg.block_m), batch * common["H"])](
-        _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
-        _gluon_view(out, cfg.block_m), lse, **common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+    tiles = triton.cdiv(n, 2 * cfg.block_m)
+    units = (triton.cdiv(tiles, 2) if common["CAUSAL"] else tiles) * batch * common["H"]
+    hopper.attention_forward_sm90_kernel[(min(units, _sm_count(q.device)),)](
+        _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n), out, out.stride(1),
+        lse, **common, units=units, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
     )  # fmt: skip
 
 
@@ -269,12 +278,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
     out = torch.empty(q.shape, dtype=run_dtype, device=q.device)
 
     arch = config.arch_of(q.device, interpreting())
-    span = _span(p, n_q, n_k)
-    hopper_cfg = config.hopper_forward_config(arch, head_dim, run_dtype, span)
+    hopper_cfg = config.hopper_forward_config(arch, head_dim, run_dtype)
     if hopper_cfg is not None and _hopper_fits(p, hopper_cfg.rows, q, k, v):
         _hopper_forward(q, k, v, out, lse, p, hopper_cfg)
         return out.view(shape).to(out_dtype), lse
-    cfg = config.forward_config(arch, head_dim, run_dtype, span, _plain(p))
+    cfg = config.forward_config(arch, head_dim, run_dtype, _span(p, n_q, n_k), _plain(p))
     runtime, flags = _features(p)
     block_m, block_n = _tile(cfg.block_m, p.block_mask, 0), _tile(cfg.block_n, p.block_mask, 1)
     grid = (triton.cdiv(n_q, block_m), batch * heads)

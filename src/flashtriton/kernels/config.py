@@ -63,7 +63,6 @@ class HopperForwardConfig:
     block_m: int  # query rows per consumer warpgroup; a program has two
     block_n: int  # keys per K/V tile
     stages: int  # K/V tiles in flight (slots of the shared-memory ring)
-    min_span: int = 0  # shorter spans (as forward_config's) run the portable kernel
 
     @property
     def rows(self) -> int:
@@ -75,7 +74,7 @@ class HopperForwardConfig:
 class HopperBackwardConfig:
     """The Gluon sm90 backward: the dQ kernel (which also computes delta) and the dK/dV kernel after it."""
 
-    dq: HopperForwardConfig  # the dQ kernel's tiles, laid out as the forward's (min_span unused)
+    dq: HopperForwardConfig  # the dQ kernel's tiles, laid out as the forward's
     block_m: int  # dK/dV: query rows per streamed step
     block_n: int  # dK/dV: keys per consumer warpgroup; a program has two
     stages: int  # dK/dV: (Q, dO) tiles in flight
@@ -134,11 +133,12 @@ _SM90_SHORT_BACKWARD = {128: BackwardConfig(32, 128, 128, 64, 8, 2, 3, tma=True)
 # The Gluon forward on sm90, by head dim (H200, kernel times in one run with cuDNN, B * N = 16k, H * D = 2048,
 # N = 16k, TFLOP/s non-causal / causal): D=128 615 / 591 against the portable kernel's 504 / 472 and cuDNN's
 # 601 / 551; D=64 440 / 412 against 424 / 400 and 452 / 434. Three K/V slots beat two (D=128: 615 against 518);
-# 64-key tiles lose (559). Same-run bench (results/h200-2026-11-21-gluon): D=128 faster at every N (fwd x cuDNN
-# 0.77-0.85 -> 0.81-1.03, causal 0.75-0.85 -> 0.76-1.08); D=64 only from a span of 2048 keys (N=16k 5.27 -> 4.88 ms,
-# causal 2.66 -> 2.53), slower below (N=512 0.213 -> 0.252 ms, causal N=2048 0.403 -> 0.432), where the portable
-# kernel runs two capped 8-warp programs per SM.
-_SM90_HOPPER_FORWARD = {64: HopperForwardConfig(64, 128, 3, min_span=2048), 128: HopperForwardConfig(64, 128, 3)}
+# 64-key tiles lose (559). Persistent since (benchmarks/NOTES.md 24; forward kernel ms against the grid of one
+# program per tile, same run): D=128 N=512 0.166-0.171 -> 0.152-0.157, causal N=1k 0.181-0.186 -> 0.168-0.173,
+# N=4k 0.821 -> 0.831-0.837, 16k within noise. D=64 now beats the portable kernel at short N too (N=512 0.209 ->
+# 0.204-0.206, 1k 0.354 -> 0.340, causal 0.244 -> 0.233, causal 2k 0.398 -> 0.380), so its former threshold
+# (Gluon only from a span of 2048 keys) is gone.
+_SM90_HOPPER_FORWARD = {64: HopperForwardConfig(64, 128, 3), 128: HopperForwardConfig(64, 128, 3)}
 
 # The Gluon backward on sm90, by head dim (H200, backward kernel times, B * N = 16k, H * D = 2048, same run):
 # D=128 dK/dV with the portable dQ: N=16k 12.59 -> 11.90 ms, causal 6.84 -> 6.53, N=4k 3.30 -> 3.11, 1k 1.00 -> 0.92
@@ -209,10 +209,9 @@ def forward_config(arch: str, head_dim: int, dtype: torch.dtype, span: int, plai
     return _halve_for_fp32(cfg, dtype)
 
 
-def hopper_forward_config(arch: str, head_dim: int, dtype: torch.dtype, span: int) -> HopperForwardConfig | None:
+def hopper_forward_config(arch: str, head_dim: int, dtype: torch.dtype) -> HopperForwardConfig | None:
     """The Gluon forward's config, or None where it does not run (forward_config's kernel does)."""
-    cfg = _SM90_HOPPER_FORWARD.get(head_dim) if arch == "sm90" and dtype != torch.float32 else None
-    return cfg if cfg is not None and span >= cfg.min_span else None
+    return _SM90_HOPPER_FORWARD.get(head_dim) if arch == "sm90" and dtype != torch.float32 else None
 
 
 def hopper_backward_config(arch: str, head_dim: int, dtype: torch.dtype) -> HopperBackwardConfig | None:

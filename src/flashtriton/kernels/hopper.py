@@ -10,12 +10,13 @@ softmax (or dS) arithmetic between its matrix multiplies, so the tensor cores id
              SM can run one's arithmetic beside the other's MMAs (wgmma); no explicit ping-pong,
              and the overlap was not measured with counters.
 
-Forward: the consumers own BLOCK_M query rows each and stream K/V tiles: S = Q K^T (both from shared
-memory), P = exp2(S * qk_scale - m), O += P V (P from registers), the softmax of tile j running while
-the P V multiply of tile j - 1 does. dK/dV: the consumers own BLOCK_N keys each and stream the (Q, dO)
-tiles of every query head of their GQA group, with those rows' LSE and delta (through TMA as well, so the
-per-step reads are shared-memory loads issued beside the MMAs): S^T = K Q^T, dP^T = V dO^T, dV += P^T dO,
-dK += dS^T Q.
+Forward: persistent, one program per SM looping over query tiles. The consumers own BLOCK_M query rows
+each and stream K/V tiles: S = Q K^T (both from shared memory), P = exp2(S * qk_scale - m), O += P V (P
+from registers), the softmax of tile j running while the P V multiply of tile j - 1 does; the producer
+loads the next tile's Q and K/V while the consumers finish the current one.
+dK/dV: the consumers own BLOCK_N keys each and stream the (Q, dO) tiles of every query head of their GQA
+group, with those rows' LSE and delta (through TMA as well, so the per-step reads are shared-memory loads
+issued beside the MMAs): S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q.
 dQ: laid out as the forward, S = Q K^T, dP = dO V^T, dQ += dS K. The backward keeps the portable
 kernels' fixed summation order (no atomics): it is deterministic.
 
@@ -82,13 +83,12 @@ def _sequence(CU_SEQLENS, b, N, VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def _query_program(N, H, CU_SEQLENS, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, ROWS: gl.constexpr):
-    """(batch, head, first query row in the sequence, then _sequence's three) of this program of ROWS
-    query rows; causal programs are numbered longest first, so the short ones fill the last wave."""
-    pid_m = gl.program_id(0)
+def _query_tile(pid_m, pid_bh, n_m, N, H, CU_SEQLENS, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
+                ROWS: gl.constexpr):  # fmt: skip
+    """(batch, head, first query row in the sequence, then _sequence's three) of query tile pid_m of n_m
+    (ROWS rows each) of head pid_bh; causal tiles are numbered longest first, so the short ones come last."""
     if CAUSAL:
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    pid_bh = gl.program_id(1)
+        pid_m = n_m - 1 - pid_m
     seq0, n, lse0 = _sequence(CU_SEQLENS, pid_bh // H, N, VARLEN)
     return pid_bh // H, pid_bh % H, pid_m * ROWS, seq0, n, lse0
 
@@ -112,21 +112,22 @@ def _tiles(desc, n: gl.constexpr):
 
 
 @gluon.jit
-def _shared(a_desc, b_desc, STAGES: gl.constexpr):
-    """A program's ring and barriers: STAGES shared-memory slots, each for one a_desc and one b_desc tile;
-    ``ready[s]`` (the producer's loads into slot s have landed), ``empty[s]`` (both consumer warpgroups
-    are done with slot s: two arrivals) and ``resident`` (the tiles the consumers keep have landed)."""
-    a_bufs = _tiles(a_desc, STAGES)
-    b_bufs = _tiles(b_desc, STAGES)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    resident = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)
-    mbarrier.init(resident, count=1)
+def _barriers(n: gl.constexpr, count: gl.constexpr):
+    """n mbarriers, each completing a phase after ``count`` arrivals (and any bytes a TMA load was expected
+    to bring)."""
+    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(n):
+        mbarrier.init(bars.index(i), count=count)
     fence_async_shared()
-    return a_bufs, b_bufs, ready, empty, resident
+    return bars
+
+
+@gluon.jit
+def _shared(a_desc, b_desc, STAGES: gl.constexpr):
+    """A program's ring: STAGES shared-memory slots, each for one a_desc and one b_desc tile, with barriers
+    ``ready[s]`` (the producer's loads into slot s have landed) and ``empty[s]`` (both consumer warpgroups
+    are done with slot s: two arrivals)."""
+    return _tiles(a_desc, STAGES), _tiles(b_desc, STAGES), _barriers(STAGES, 1), _barriers(STAGES, 2)
 
 
 @gluon.jit
@@ -149,16 +150,24 @@ def _store(desc, value, smem, row, col):
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, k_bufs, v_bufs, ready, empty, kv_row, col, n_tiles,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+def _stream(k_desc, v_desc, k_bufs, v_bufs, ready, empty, kv_row, col, n_tiles, it0,
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Loads n_tiles (K, V) tiles from row kv_row on into the ring, the first at ring position it0."""
     for j in range(n_tiles):
-        s = j % STAGES
+        it = it0 + j
+        s = it % STAGES
         # a fresh barrier counts as having completed the phase before its first: the first lap passes
-        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
         bar = ready.index(s)
         mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, col], bar, k_bufs.index(s))
         tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, col], bar, v_bufs.index(s))
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, k_bufs, v_bufs, ready, empty, kv_row, col, n_tiles,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    _stream(k_desc, v_desc, k_bufs, v_bufs, ready, empty, kv_row, col, n_tiles, 0, BLOCK_N, STAGES)
 
 
 @gluon.jit
@@ -183,23 +192,69 @@ def _online_softmax(scores, m_i, l_i, rows, first_row, first_col, qk_scale, wind
 
 
 @gluon.jit
-def _consumer(o_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, lse_ptrs, out_row, col, first_row, key0,
-              n_tiles, qk_scale, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """One warpgroup's BLOCK_M query rows. Tile j's S = Q K_j^T is issued together with tile j-1's
-    O += P V_{j-1}; the softmax of S_j then runs while that second MMA does."""
+def _forward_tile(u, r, n_m, N, H, CU_SEQLENS, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
+                  VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """Tile r of the persistent grid's work unit u: (whether it has rows, batch, head, first query row in
+    the sequence, first row of the sequence, its first LSE column, then _key_tiles' two). A unit is one
+    query tile; causal, it is the p-th longest and the p-th shortest query tiles of a head (r = 0, 1; one
+    tile in the middle of an odd count), so that every unit has about the same work."""
+    per_head = n_m
+    if CAUSAL:
+        per_head = (n_m + 1) // 2
+    p = u % per_head
+    pid_m = p + r * (n_m - 1 - 2 * p)  # r = 1: n_m - 1 - p
+    b, h, m0, seq0, n, lse0 = _query_tile(pid_m, u // per_head, n_m, N, H, CU_SEQLENS, CAUSAL, VARLEN, 2 * BLOCK_M)
+    key0, n_tiles = _key_tiles(m0, 2 * BLOCK_M, n, window_left, CAUSAL, LEFT, BLOCK_N)
+    valid = (m0 < n) & ((r == 0) | (2 * p + 1 < n_m))  # past a shorter varlen sequence; the middle tile's twin
+    return valid, b, h, m0, seq0, lse0, key0, n_tiles
+
+
+@gluon.jit
+def _forward_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready, empty, N, H, GROUP,
+                      CU_SEQLENS, units, n_m, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
+                      VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                      STAGES: gl.constexpr):  # fmt: skip
+    """For each of this program's tiles: each warpgroup's Q tile once that warpgroup is done with its last
+    (``q_empty``), then the (K, V) tiles, continuing around the ring."""
+    it = 0
+    done = 0
+    for u in range(gl.program_id(0), units, gl.num_programs(0)):
+        for r in range(1 + CAUSAL):
+            valid, _, h, m0, seq0, _, key0, n_tiles = _forward_tile(
+                u, r, n_m, N, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N
+            )
+            if valid:
+                for w in gl.static_range(2):
+                    mbarrier.wait(q_empty.index(w), (done & 1) ^ 1)
+                    mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(q_desc, [seq0 + m0 + w * BLOCK_M, h * D], q_ready.index(w),
+                                                    q_bufs.index(w))  # fmt: skip
+                _stream(k_desc, v_desc, k_bufs, v_bufs, ready, empty, seq0 + key0, (h // GROUP) * D, n_tiles, it,
+                        BLOCK_N, STAGES)  # fmt: skip
+                it += n_tiles
+                done += 1
+
+
+@gluon.jit
+def _attend(q_smem, k_bufs, v_bufs, q_free, ready, empty, it, first_row, key0, n_tiles, qk_scale, window_left,
+            CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+            STAGES: gl.constexpr):  # fmt: skip
+    """One warpgroup's query rows (Q in q_smem) against n_tiles (K, V) tiles from ring position it on:
+    (O unnormalised, row max, row sum). Tile j's S = Q K_j^T is issued together with tile j-1's
+    O += P V_{j-1}; the softmax of S_j then runs while that second MMA does. q_free is arrived on once every
+    S is done, before the last P V."""
+    BLOCK_M: gl.constexpr = q_smem.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(D)
     p_layout: gl.constexpr = _operand_layout(D)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_smem.dtype
 
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     rows = first_row + gl.arange(0, BLOCK_M, rows_s)
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(ready.index(0), 0)
-    scores = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    scores = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     scores = warpgroup_mma_wait(0, deps=(scores, q_smem))[0]
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows_s)
     p, m_i, l_i, alpha = _online_softmax(scores, m_i, gl.zeros([BLOCK_M], gl.float32, rows_s), rows, first_row, key0,
@@ -207,9 +262,9 @@ def _consumer(o_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, lse_ptrs, out
     p = gl.convert_layout(p.to(dtype), p_layout)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
     for j in range(1, n_tiles):
-        s = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+        s = (it + j) % STAGES
+        prev = (it + j - 1) % STAGES
+        mbarrier.wait(ready.index(s), ((it + j) // STAGES) & 1)
         scores = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         acc = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
         scores = warpgroup_mma_wait(1, deps=(scores, q_smem))[0]  # S_j done; P V_{j-1} may still run
@@ -218,49 +273,76 @@ def _consumer(o_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, lse_ptrs, out
         )
         acc = warpgroup_mma_wait(0, deps=(acc, p, v_bufs))[0]
         mbarrier.arrive(empty.index(prev), count=1)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, rows_o), 1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         p = gl.convert_layout(p_next.to(dtype), p_layout)
-    last = (n_tiles - 1) % STAGES
+    mbarrier.arrive(q_free, count=1)
+    last = (it + n_tiles - 1) % STAGES
     acc = warpgroup_mma(p, v_bufs.index(last), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc, v_bufs))[0]
     mbarrier.arrive(empty.index(last), count=1)
+    return acc, m_i, l_i
 
-    acc = acc / gl.expand_dims(gl.convert_layout(l_i, rows_o), 1)
-    gl.store(lse_ptrs + gl.arange(0, BLOCK_M, rows_s), (m_i + gl.log2(l_i)) * LN2)
-    _store(o_desc, acc, q_smem, out_row, col)  # Q is no longer read: its buffer stages O
+
+@gluon.jit
+def _forward_consumer(O, stride_o, LSE, stride_lb, stride_lh, q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty,
+                      N, H, CU_SEQLENS, units, n_m, qk_scale, window_left, W: gl.constexpr, CAUSAL: gl.constexpr,
+                      LEFT: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Warpgroup W's BLOCK_M query rows of each of this program's tiles. Q's buffer goes back to the
+    producer before the last P V, so the next tile's Q loads during this one's epilogue, which stores O
+    straight from registers."""
+    o_layout: gl.constexpr = _mma_layout(D)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    rows_s: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N))
+    it = 0
+    done = 0
+    for u in range(gl.program_id(0), units, gl.num_programs(0)):
+        for r in range(1 + CAUSAL):
+            valid, b, h, m0, seq0, lse0, key0, n_tiles = _forward_tile(
+                u, r, n_m, N, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N
+            )
+            if valid:
+                first_row = m0 + W * BLOCK_M
+                mbarrier.wait(q_ready.index(W), done & 1)
+                acc, m_i, l_i = _attend(q_smem, k_bufs, v_bufs, q_empty.index(W), ready, empty, it, first_row, key0,
+                                        n_tiles, qk_scale, window_left, CAUSAL, LEFT, BLOCK_N, D, STAGES)  # fmt: skip
+                acc = acc / gl.expand_dims(gl.convert_layout(l_i, rows_o), 1)
+                lse = LSE + b * stride_lb + h * stride_lh + lse0 + first_row
+                gl.store(lse + gl.arange(0, BLOCK_M, rows_s), (m_i + gl.log2(l_i)) * LN2)
+                out = O + (seq0 + first_row).to(gl.int64) * stride_o + h * D
+                out += gl.expand_dims(gl.arange(0, BLOCK_M, rows_o), 1) * stride_o
+                gl.store(out + gl.expand_dims(gl.arange(0, D, gl.SliceLayout(0, o_layout)), 0), acc.to(q_smem.dtype))
+                it += n_tiles
+                done += 1
 
 
 @gluon.jit
 def attention_forward_sm90_kernel(
-    q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, N, H, GROUP, qk_scale, window_left, CU_SEQLENS,
-    CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    D: gl.constexpr, STAGES: gl.constexpr,
+    q_desc, k_desc, v_desc, O, stride_o, LSE, stride_lb, stride_lh, N, H, GROUP, qk_scale, window_left, CU_SEQLENS,
+    units, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
-    """Grid (N / (2 * BLOCK_M), B * H); q/k/v/o_desc: (rows, heads * D) views, blocks of [rows, D]: B
-    sequences of N rows, or with VARLEN sequence b at rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] (N the longest).
+    """Persistent: program i of P runs tiles i, i + P, ... of ``tiles`` = B * H * cdiv(N, 2 * BLOCK_M), a tile
+    being 2 * BLOCK_M query rows of one head (tile t: head t // cdiv(...), causal ones longest first).
+    q/k/v_desc: (rows, heads * D) views, blocks of [rows, D]: B sequences of N rows, or with VARLEN sequence b
+    at rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] (N the longest); O: the output, rows stride_o apart in that view.
     CAUSAL: query i sees keys j <= i, and with LEFT only j >= i - window_left."""
-    b, h, m0, seq0, N, lse0 = _query_program(N, H, CU_SEQLENS, CAUSAL, VARLEN, 2 * BLOCK_M)
-    if m0 >= N:  # past the end of a shorter varlen sequence
-        return
-    q_col = h * D
-    kv_col = (h // GROUP) * D
-    q_row = seq0 + m0
-
-    k_bufs, v_bufs, ready, empty, q_bar = _shared(k_desc, v_desc, STAGES)
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    q_bufs = _resident(q_desc, q_bar, q_row, q_col)
-
-    key0, n_tiles = _key_tiles(m0, 2 * BLOCK_M, N, window_left, CAUSAL, LEFT, BLOCK_N)
-    lse = LSE + b * stride_lb + h * stride_lh + lse0 + m0
+    k_bufs, v_bufs, ready, empty = _shared(k_desc, v_desc, STAGES)
+    q_bufs = _tiles(q_desc, 2)
+    q_ready = _barriers(2, 1)  # per consumer warpgroup: its Q tile has landed
+    q_empty = _barriers(2, 1)  # per consumer warpgroup: it has done every S = Q K^T of its tile
+    n_m = gl.cdiv(N, 2 * BLOCK_M)
     gl.warp_specialize(
         [
-            (_consumer, (o_desc, q_bufs.index(0), k_bufs, v_bufs, q_bar, ready, empty, lse, q_row, q_col, m0,
-                         key0, n_tiles, qk_scale, window_left, CAUSAL, LEFT, BLOCK_M, BLOCK_N, D, STAGES)),
-            (_consumer, (o_desc, q_bufs.index(1), k_bufs, v_bufs, q_bar, ready, empty, lse + BLOCK_M,
-                         q_row + BLOCK_M, q_col, m0 + BLOCK_M, key0, n_tiles, qk_scale, window_left, CAUSAL, LEFT,
-                         BLOCK_M, BLOCK_N, D, STAGES)),
-            (_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, seq0 + key0, kv_col, n_tiles, BLOCK_N,
-                         STAGES)),
+            (_forward_consumer, (O, stride_o, LSE, stride_lb, stride_lh, q_bufs.index(0), k_bufs, v_bufs, q_ready,
+                                 q_empty, ready, empty, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left, 0,
+                                 CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N, D, STAGES)),
+            (_forward_consumer, (O, stride_o, LSE, stride_lb, stride_lh, q_bufs.index(1), k_bufs, v_bufs, q_ready,
+                                 q_empty, ready, empty, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left, 1,
+                                 CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N, D, STAGES)),
+            (_forward_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready, empty, N,
+                                 H, GROUP, CU_SEQLENS, units, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M,
+                                 BLOCK_N, D, STAGES)),
         ],
         [4, 1],
         [232, 24],
@@ -364,7 +446,8 @@ def attention_backward_dkdv_sm90_kernel(
     kv_row = seq0 + n0
     kv_col = hk * D
 
-    q_bufs, do_bufs, ready, empty, kv_bar = _shared(q_desc, do_desc, STAGES)
+    q_bufs, do_bufs, ready, empty = _shared(q_desc, do_desc, STAGES)
+    kv_bar = _barriers(1, 1).index(0)  # the resident K and V tiles have landed
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
@@ -456,13 +539,16 @@ def attention_backward_dq_sm90_kernel(
 ):  # fmt: skip
     """Grid (N / (2 * BLOCK_M), B * H): dQ (and delta) of 2 * BLOCK_M query rows, laid out as the forward's
     program; O: the forward's output, rows stride_o apart in the (rows, heads * D) view."""
-    b, h, m0, seq0, N, lse0 = _query_program(N, H, CU_SEQLENS, CAUSAL, VARLEN, 2 * BLOCK_M)
+    b, h, m0, seq0, N, lse0 = _query_tile(
+        gl.program_id(0), gl.program_id(1), gl.num_programs(0), N, H, CU_SEQLENS, CAUSAL, VARLEN, 2 * BLOCK_M
+    )
     if m0 >= N:  # past the end of a shorter varlen sequence
         return
     q_col = h * D
     q_row = seq0 + m0
 
-    k_bufs, v_bufs, ready, empty, q_bar = _shared(k_desc, v_desc, STAGES)
+    k_bufs, v_bufs, ready, empty = _shared(k_desc, v_desc, STAGES)
+    q_bar = _barriers(1, 1).index(0)  # the resident Q and dO tiles have landed
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
     q_bufs = _resident(q_desc, q_bar, q_row, q_col)
     do_bufs = _resident(do_desc, q_bar, q_row, q_col)
