@@ -175,18 +175,17 @@ def _online_softmax(scores, m_i, l_i, rows, first_row, first_col, qk_scale, wind
                     LEFT: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
     """One key tile of the online softmax: (P in log2 units against the new max, new max, new sum, the
     factor alpha that rescales what was accumulated against the old max)."""
-    scores = scores * qk_scale
     if CAUSAL:
         last_row = first_row + scores.shape[0] - 1
         if _outside_band(first_row, last_row, first_col, first_col + BLOCK_N - 1, window_left, LEFT):
             cols = first_col + gl.arange(0, BLOCK_N, gl.SliceLayout(0, scores.type.layout))
             keep = _in_band(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), window_left, LEFT)
             scores = gl.where(keep, scores, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(scores, 1))
+    m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)  # the scaled max: validation makes qk_scale > 0
     m_use = m_new
     if LEFT:  # a row may have seen no key yet: its window starts past this tile
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(scores - gl.expand_dims(m_use, 1))
+    p = gl.exp2(scores * qk_scale - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
     return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
 
