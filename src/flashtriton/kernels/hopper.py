@@ -165,12 +165,6 @@ def _stream(k_desc, v_desc, k_bufs, v_bufs, ready, empty, kv_row, col, n_tiles, 
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, k_bufs, v_bufs, ready, empty, kv_row, col, n_tiles,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    _stream(k_desc, v_desc, k_bufs, v_bufs, ready, empty, kv_row, col, n_tiles, 0, BLOCK_N, STAGES)
-
-
-@gluon.jit
 def _online_softmax(scores, m_i, l_i, rows, first_row, first_col, qk_scale, window_left, CAUSAL: gl.constexpr,
                     LEFT: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
     """One key tile of the online softmax: (P in log2 units against the new max, new max, new sum, the
@@ -564,8 +558,8 @@ def attention_backward_dq_sm90_kernel(
                             LSE + row + BLOCK_M, DELTA + row + BLOCK_M, o + BLOCK_M * stride_o,
                             DLSE + row + BLOCK_M, stride_o, q_row + BLOCK_M, q_col, m0 + BLOCK_M, key0, n_tiles,
                             qk_scale, softmax_scale, window_left, CAUSAL, LEFT, BLOCK_M, BLOCK_N, D, STAGES)),
-            (_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, seq0 + key0, (h // GROUP) * D, n_tiles,
-                         BLOCK_N, STAGES)),
+            (_stream, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, seq0 + key0, (h // GROUP) * D, n_tiles, 0,
+                       BLOCK_N, STAGES)),
         ],
         [4, 1],
         [232, 24],
