@@ -7,13 +7,14 @@ softmax (or dS) arithmetic between its matrix multiplies, so the tensor cores id
   producer   1 warp: streams tiles through TMA into a ring of STAGES shared-memory slots (``ready[s]``
              says a slot is full, ``empty[s]`` that both consumers are done with it)
   consumers  2 warpgroups with a tile of their own each, not synchronised with each other, so the
-             SM can run one's arithmetic beside the other's MMAs (wgmma); no explicit ping-pong,
-             and the overlap was not measured with counters.
+             SM can run one's arithmetic beside the other's MMAs (wgmma); explicit ping-pong turns
+             measured no faster (benchmarks/NOTES.md 25).
 
 Forward: persistent, one program per SM looping over query tiles. The consumers own BLOCK_M query rows
 each and stream K/V tiles: S = Q K^T (both from shared memory), P = exp2(S * qk_scale - m), O += P V (P
-from registers), the softmax of tile j running while the P V multiply of tile j - 1 does; the producer
-loads the next tile's Q and K/V while the consumers finish the current one.
+from registers). S_j is issued with P_{j-1} V_{j-1} and waited for alone, so that the softmax of tile j
+could run beside that P V; ptxas places the second wait before the exps all the same (SASS, NOTES 26). The
+producer loads the next tile's Q and K/V while the consumers finish the current one.
 dK/dV: the consumers own BLOCK_N keys each and stream the (Q, dO) tiles of every query head of their GQA
 group, with those rows' LSE and delta (through TMA as well, so the per-step reads are shared-memory loads
 issued beside the MMAs): S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q.
@@ -234,8 +235,8 @@ def _attend(q_smem, k_bufs, v_bufs, q_free, ready, empty, it, first_row, key0, n
             STAGES: gl.constexpr):  # fmt: skip
     """One warpgroup's query rows (Q in q_smem) against n_tiles (K, V) tiles from ring position it on:
     (O unnormalised, row max, row sum). Tile j's S = Q K_j^T is issued together with tile j-1's
-    O += P V_{j-1}; the softmax of S_j then runs while that second MMA does. q_free is arrived on once every
-    S is done, before the last P V."""
+    O += P V_{j-1}, and the softmax of S_j comes between the waits for the two (which ptxas moves to before
+    the exps: benchmarks/NOTES.md 26). q_free is arrived on once every S is done, before the last P V."""
     BLOCK_M: gl.constexpr = q_smem.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(D)
