@@ -144,9 +144,10 @@ _SM90_HOPPER_FORWARD = {64: HopperForwardConfig(64, 128, 3), 128: HopperForwardC
 # D=128 dK/dV with the portable dQ: N=16k 12.59 -> 11.90 ms, causal 6.84 -> 6.53, N=4k 3.30 -> 3.11, 1k 1.00 -> 0.92
 # (2, 3 or 4 slots within 1%); plus the Gluon dQ (64 rows per warpgroup, 128-key tiles, 2 slots): 16k 13.05 ->
 # 11.58 ms against the portable pair, causal 7.10 -> 6.36, 4k 3.43 -> 3.03, 1k 1.03 -> 0.90 (64-key tiles 1-2%
-# behind). D=64 dK/dV loses (16k 14.12 -> 14.35 ms, causal 7.33 -> 7.64; 128-query steps worse), so D=64 keeps
-# the portable kernels. Issuing dK/dV's next S^T and dP^T behind dV and dK (cross-step overlap) was slower:
-# D=128 16k 14.50 ms.
+# behind). Issuing dK/dV's next S^T and dP^T behind dV and dK (cross-step overlap) was slower: D=128 16k 14.50 ms.
+# Since LSE and delta come through TMA (NOTES 23; dK/dV kernel 16k 6.17 -> 5.77 ms, causal 3.45 -> 2.89, 8 documents
+# 0.708 -> 0.497), the D=64 Gluon pair is level with the portable one (backward 16k 13.5 against 13.0 ms, causal
+# 6.56 against 6.75-7.12, 1k 1.03 against 1.09; 128-query steps spill), so D=64 keeps the portable kernels.
 _SM90_HOPPER_BACKWARD = {128: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3)}
 
 # Other CUDA GPUs (smaller shared memory than Hopper): conservative tiles.
