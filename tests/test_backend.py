@@ -88,12 +88,15 @@ def test_hopper_kernels_run_where_they_fit(causal, monkeypatch):
     for name in ("_hopper_forward", "_hopper_dkdv", "_hopper_dq"):
         launch = getattr(triton_backend, name)
         monkeypatch.setattr(triton_backend, name, lambda *args, n=name, f=launch: calls.append(n) or f(*args))
-    q, k, v = (torch.randn(2, 1024, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (8, 4, 4))
+    # 4096 keys: a mean span of 2048 or more, where the backward takes the fused kernel
+    q, k, v = (torch.randn(1, 4096, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (8, 4, 4))
     out = flash_attn_func(q, k, v, causal=causal)
     out.sum().backward()
+    flash_attn_func(q, k, v, causal=causal, deterministic=True).sum().backward()
     ragged = flash_attn_func(q[:, :1000], k[:, :1000], v[:, :1000], causal=causal)
     ragged.sum().backward()
-    assert calls == ["_hopper_forward", "_hopper_dq", "_hopper_dkdv"]  # dQ computes delta for dK/dV
+    # one fused backward pass; deterministic, dQ's own pass first (it computes delta for dK/dV)
+    assert calls == ["_hopper_forward", "_hopper_dkdv", "_hopper_forward", "_hopper_dq", "_hopper_dkdv"]
     # the first 1000 rows of causal attention see the same keys in both calls
     if causal:
         torch.testing.assert_close(out[:, :1000], ragged, atol=2e-2, rtol=0)

@@ -75,7 +75,9 @@ def flash_attn_func(
         1 / (1 - dropout_p)); the mask comes from a counter-based RNG keyed by a seed drawn from
         torch's default generator, so torch.manual_seed reproduces it, and the backward
         regenerates it instead of storing it. Use 0.0 for evaluation.
-    deterministic: accepted for compatibility; the backward is always bitwise reproducible.
+    deterministic: True makes the backward bitwise reproducible. False (default) lets it add dQ's shares
+        up in fp32 with atomic TMA reductions where that is faster (the Hopper kernels, long
+        sequences), so dq may differ in its last bits between runs; dk and dv repeat either way.
     block_mask: a flashtriton.BlockMask (create_block_mask / BlockMask.from_layout): only its tiles
         are visited, forward and backward, and its mask_mod is applied on its partial tiles; work
         is proportional to the tiles visited. Not combined with causal, window_size or alibi_slopes:

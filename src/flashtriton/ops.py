@@ -186,12 +186,12 @@ def attention_backward(
     score_tensors: list[torch.Tensor],
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv. Every backend's backward is deterministic, so ``deterministic`` needs no branch."""
+    """dq, dk, dv; ``deterministic``: in a fixed summation order (AttentionParams.deterministic)."""
     params = _params(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
         alibi_slopes, dropout_p, dropout_seed, sparse, sparse_shape, mask_mod, mask_tensors, score_mod, score_tensors,
     )  # fmt: skip
-    return _backward_grads(dout, dlse, q, k, v, out, lse, params)
+    return _backward_grads(dout, dlse, q, k, v, out, lse, replace(params, deterministic=deterministic))
 
 
 @attention_backward.register_fake
@@ -263,4 +263,6 @@ def attention(
         return attention_forward(q, k, v, *_flat(params, dropout_seed), deterministic)
     if dropout_seed is not None:
         params = replace(params, dropout_seed=int(dropout_seed.item()))
+    if deterministic:
+        params = replace(params, deterministic=True)
     return _EagerAttention.apply(q, k, v, params)

@@ -46,6 +46,7 @@ class AttentionParams:
     max_seqlen_k: int = 0
     block_mask: Any = None  # block_mask.BlockMask: visit only its tiles, its mask_mod on partial ones
     score_mod: Any = None  # mods.Mod: score = score_mod(score, b, h, i, j, *tensors), after softcap and ALiBi
+    deterministic: bool = False  # backward: bitwise reproducible (no atomic sums), where that costs speed
 
     @property
     def varlen(self) -> bool:

@@ -245,13 +245,25 @@ def _lengths(q: torch.Tensor, k: torch.Tensor, p: AttentionParams) -> tuple[int,
     return q.shape[0], q.shape[1], k.shape[1]
 
 
-def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, p: AttentionParams, cfg: config.HopperBackwardConfig) -> None:
+def _gluon_sums(x: torch.Tensor, rows: int) -> GluonTensorDescriptor:
+    """The (B * N, H * D) view of an fp32 (B, N, H, D) accumulator, which TMA reductions add to in blocks of
+    rows x D / 2."""
+    batch, n, heads, d = x.shape
+    layout = gl.NVMMASharedLayout.get_default_for([rows, d // 2], gl.float32)
+    return GluonTensorDescriptor(x, [batch * n, heads * d], [x.stride(1), 1], [rows, d // 2], layout)
+
+
+def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams, cfg: config.HopperBackwardConfig):
+    """dK, dV and, when dq_sums (zeroed fp32, shaped as q) is given, dQ added into it by TMA reductions."""
     batch, n, common = _hopper_common(q, k, lse, p)
+    fused = dq_sums is not None
+    stages = cfg.stages_fused if fused else cfg.stages
     hopper.attention_backward_dkdv_sm90_kernel[(triton.cdiv(n, 2 * cfg.block_n), batch * k.shape[2])](
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
         _gluon_view(dout, cfg.block_m), _gluon_view(dk, cfg.block_n), _gluon_view(dv, cfg.block_n),
-        _gluon_rows(lse, cfg.block_m), _gluon_rows(delta, cfg.block_m), softmax_scale=p.softmax_scale, **common,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+        _gluon_sums(dq_sums, cfg.block_m) if fused else None, _gluon_rows(lse, cfg.block_m),
+        _gluon_rows(delta, cfg.block_m), softmax_scale=p.softmax_scale, **common,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=stages,
     )  # fmt: skip
 
 
@@ -343,15 +355,20 @@ def backward(
     mask = p.block_mask
     hopper_cfg = config.hopper_backward_config(arch, head_dim, run_dtype)
     on_hopper = hopper_cfg is not None and _hopper_fits(p, hopper_cfg.rows, q, k, v, dout, out)
-    if on_hopper:  # dQ also computes delta, for the dK/dV kernel after it
+    fused = on_hopper and not p.deterministic and _span(p, n_q, n_k) >= hopper_cfg.fused_span
+    if on_hopper and not fused:  # dQ's own pass, which also computes delta for the dK/dV kernel after it
         _hopper_dq(q, k, v, out, dout, lse, dlse, delta, dq, p, hopper_cfg)
-        _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, p, hopper_cfg)
+        _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, None, p, hopper_cfg)
         return tuple(g.view(shape).to(grad_dtype) for g, shape in zip((dq, dk, dv), shapes, strict=True))
     block = config.PREPROCESS_BLOCK_M
     attention_backward_preprocess_kernel[(triton.cdiv(n_q, block), batch * heads)](
         out, dout, dlse, delta, *_strides(out, p.varlen), *_strides(dout, p.varlen), *lse_strides,
         N_Q=n_q, CU_SEQLENS_Q=p.cu_seqlens_q, BLOCK_M=block, VARLEN=p.varlen, **common,
     )  # fmt: skip
+    if fused:  # one pass: dK, dV and dQ, whose shares the key tiles add up in fp32 (in no fixed order)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq, p, hopper_cfg)
+        return tuple(g.view(shape).to(grad_dtype) for g, shape in zip((dq, dk, dv), shapes, strict=True))
     block_m, block_n = _tile(cfg.block_m_kv, mask, 0), _tile(cfg.block_n_kv, mask, 1)
     attention_backward_dkdv_kernel[(triton.cdiv(n_k, block_n), batch * heads_k)](
         q, k, v, dout, lse, delta, dk, dv,

@@ -72,12 +72,15 @@ class HopperForwardConfig:
 
 @dataclass(frozen=True)
 class HopperBackwardConfig:
-    """The Gluon sm90 backward: the dQ kernel (which also computes delta) and the dK/dV kernel after it."""
+    """The Gluon sm90 backward: one dK/dV kernel that also adds up dQ (fp32 TMA reductions), or, deterministic,
+    the dQ kernel (which also computes delta) and the dK/dV kernel after it."""
 
-    dq: HopperForwardConfig  # the dQ kernel's tiles, laid out as the forward's
+    dq: HopperForwardConfig  # the deterministic dQ kernel's tiles, laid out as the forward's
     block_m: int  # dK/dV: query rows per streamed step
     block_n: int  # dK/dV: keys per consumer warpgroup; a program has two
     stages: int  # dK/dV: (Q, dO) tiles in flight
+    stages_fused: int  # the same, when the kernel also computes dQ (its dS and dQ tiles take shared memory)
+    fused_span: int  # the fused kernel from this mean span (keys a query row sees) on; below, the pair
 
     @property
     def rows(self) -> int:
@@ -148,7 +151,12 @@ _SM90_HOPPER_FORWARD = {64: HopperForwardConfig(64, 128, 3), 128: HopperForwardC
 # Since LSE and delta come through TMA (NOTES 23; dK/dV kernel 16k 6.17 -> 5.77 ms, causal 3.45 -> 2.89, 8 documents
 # 0.708 -> 0.497), the D=64 Gluon pair is level with the portable one (backward 16k 13.5 against 13.0 ms, causal
 # 6.56 against 6.75-7.12, 1k 1.03 against 1.09; 128-query steps spill), so D=64 keeps the portable kernels.
-_SM90_HOPPER_BACKWARD = {128: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3)}
+# Fused (dQ added up by TMA reductions in the dK/dV kernel, NOTES 30) against the pair, whole backward ms, same
+# run: 16k 10.03-10.05 (a form with the scale in dS) against 10.67-10.74, causal 5.45-5.48 against 5.68-5.72, 4k
+# 2.65-2.71 against 2.87-2.89, 2k 1.40-1.46 against 1.54; at shorter spans the pair wins: causal 2k 0.90-0.92
+# against 0.89, causal 1k 0.55-0.56 against 0.54, 512 0.49-0.50 against 0.48, causal 512 0.40 against 0.36.
+# Hence fused_span 2048.
+_SM90_HOPPER_BACKWARD = {128: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3, 3, 2048)}
 
 # Other CUDA GPUs (smaller shared memory than Hopper): conservative tiles.
 _CUDA_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (

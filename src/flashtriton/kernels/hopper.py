@@ -17,9 +17,12 @@ could run beside that P V; ptxas places the second wait before the exps all the 
 producer loads the next tile's Q and K/V while the consumers finish the current one.
 dK/dV: the consumers own BLOCK_N keys each and stream the (Q, dO) tiles of every query head of their GQA
 group, with those rows' LSE and delta (through TMA as well, so the per-step reads are shared-memory loads
-issued beside the MMAs): S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q.
-dQ: laid out as the forward, S = Q K^T, dP = dO V^T, dQ += dS K. The backward keeps the portable
-kernels' fixed summation order (no atomics): it is deterministic.
+issued beside the MMAs): S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q. Fused (the default where
+config's fused_span says so), the same kernel also computes dQ += dS K from both consumers' dS^T in shared
+memory and adds each step's share into an fp32 dQ through TMA reductions: 5 matmuls per tile pair instead of
+the pair's 7, in no fixed order of summation.
+dQ (deterministic=True, or short spans): laid out as the forward, S = Q K^T, dP = dO V^T, dQ += dS K, with
+no atomics, so that backward is bitwise reproducible.
 
 Scope (triton_backend dispatches everything else to the portable kernels): bf16/fp16, head dims with
 a config row, no softcap / ALiBi / dropout / block mask / score_mod; no mask, causal, or a causal sliding
@@ -28,8 +31,10 @@ number of the program's rows; TMA-readable layouts.
 """
 
 import triton
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -71,6 +76,12 @@ def _in_band(rows, cols, window_left, LEFT: gl.constexpr):
     if LEFT:
         keep = keep & (cols >= rows - window_left)
     return keep
+
+
+@gluon.jit
+def _band_only(p_t, rows, keys, window_left, LEFT: gl.constexpr):
+    """p_t (keys x queries) with its entries outside the causal band zeroed."""
+    return gl.where(_in_band(gl.expand_dims(rows, 0), gl.expand_dims(keys, 1), window_left, LEFT), p_t, 0.0)
 
 
 @gluon.jit
@@ -148,6 +159,14 @@ def _store(desc, value, smem, row, col):
     fence_async_shared()
     tma.async_copy_shared_to_global(desc, [row, col], smem)
     tma.store_wait(0)
+
+
+@builtin
+def _tma_add(desc, coord, src, _semantic=None):
+    """desc's tile at coord += src (shared memory), by a TMA reduction (cp.reduce.async.bulk.tensor). Triton 3.6's
+    Gluon has the op (ttng.async_tma_reduce) but no wrapper for it; completes as a TMA store (tma.store_wait)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -367,19 +386,30 @@ def _dkdv_producer(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_b
 
 
 @gluon.jit
-def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty,
-                   out_row, out_col, first_key, first_query, n_steps, GROUP, qk_scale, softmax_scale,
-                   window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """One warpgroup's BLOCK_N keys: for each streamed query tile, S^T = K Q^T and dP^T = V dO^T (both
-    from shared memory), then dV += P^T dO and dK += dS^T Q with P^T and dS^T from registers."""
+def _dkdv_consumer(dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready,
+                   empty, kv_row, kv_col, n0, first_query, q_row, q_col, n_steps, GROUP, qk_scale, softmax_scale,
+                   window_left, W: gl.constexpr, FUSED: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Warpgroup W's BLOCK_N keys (rows kv_row + W * BLOCK_N on; n0 + W * BLOCK_N on in the sequence): for
+    each streamed query tile, S^T = K Q^T and dP^T = V dO^T (both from shared memory), then dV += P^T dO and
+    dK += dS^T Q with P^T and dS^T from registers.
+
+    FUSED, with dq_sums = (dq_desc, ds_bufs, ds_ready, dq_bufs): also dQ += dS K for the tile, added into
+    dq_desc's fp32 rows by TMA reductions. Both warpgroups put their dS^T in shared memory (ds_bufs: [step
+    parity][warpgroup]; ds_ready[parity] completes when both have), and warpgroup W multiplies the dS of all
+    2 * BLOCK_N keys into the W-th half of dQ's columns, staged in dq_bufs[W]."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     o_layout: gl.constexpr = _mma_layout(D)
     a_layout: gl.constexpr = _operand_layout(D)
     queries: gl.constexpr = gl.SliceLayout(0, s_layout)
+    half: gl.constexpr = D // 2
+    k_smem = k_bufs.index(W)
+    v_smem = v_bufs.index(W)
+    first_key = n0 + W * BLOCK_N
     dtype: gl.constexpr = k_smem.dtype
 
     zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    zero_q = gl.zeros([BLOCK_M, half], gl.float32, _mma_layout(half))
     dk = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
     dv = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
     keys = first_key + gl.arange(0, BLOCK_N, gl.SliceLayout(1, s_layout))
@@ -399,34 +429,59 @@ def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, 
             s_t = warpgroup_mma_wait(1, deps=(s_t, k_smem, q))[0]
             p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
             if CAUSAL:
-                if _outside_band(q0, q0 + BLOCK_M - 1, first_key, first_key + BLOCK_N - 1, window_left, LEFT):
-                    keep = _in_band(gl.expand_dims(rows, 0), gl.expand_dims(keys, 1), window_left, LEFT)
-                    p_t = gl.where(keep, p_t, 0.0)
+                # FUSED: every step, as a branch here makes ptxas serialise the fused kernel's wgmmas (C7512)
+                if FUSED or _outside_band(q0, q0 + BLOCK_M - 1, first_key, first_key + BLOCK_N - 1, window_left, LEFT):
+                    p_t = _band_only(p_t, rows, keys, window_left, LEFT)
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv, is_async=True)
             delta = delta_bufs.index(s).load(queries)
             dp_t = warpgroup_mma_wait(1, deps=(dp_t, v_smem, do))[0]
-            ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
-            dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q, dk, is_async=True)
-            done = warpgroup_mma_wait(0, deps=(dk, dv, q, do))
+            ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+            dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q, dk, is_async=True)
+            if not FUSED:
+                done = warpgroup_mma_wait(0, deps=(dk, dv, q, do))
+            else:
+                dq_desc, ds_bufs, ds_ready, dq_bufs = dq_sums
+                b = it % 2
+                ds_bufs.index(2 * b + W).store(ds_t)
+                fence_async_shared()
+                mbarrier.arrive(ds_ready.index(b), count=1)
+                mbarrier.wait(ds_ready.index(b), (it // 2) & 1)
+                ds0 = ds_bufs.index(2 * b).permute((1, 0))
+                ds1 = ds_bufs.index(2 * b + 1).permute((1, 0))
+                dq = warpgroup_mma(ds0, k_bufs.index(0).slice(W * half, half, dim=1), zero_q, use_acc=False,
+                                   is_async=True)  # fmt: skip
+                dq = warpgroup_mma(ds1, k_bufs.index(1).slice(W * half, half, dim=1), dq, is_async=True)
+                done = warpgroup_mma_wait(0, deps=(dk, dv, dq, q, do, ds0, ds1))
+                dq_smem = dq_bufs.index(W)
+                tma.store_wait(0)  # the previous step's reduction has read dq_smem
+                dq_smem.store(done[2] * softmax_scale)
+                fence_async_shared()
+                _tma_add(dq_desc, [q_row + j * BLOCK_M, q_col + g * D + W * half], dq_smem)
             dk = done[0]
             dv = done[1]
             mbarrier.arrive(empty.index(s), count=1)
 
-    # K and V are no longer read: their buffers stage dK and dV for the TMA stores
-    _store(dk_desc, dk * softmax_scale, k_smem, out_row, out_col)
-    _store(dv_desc, dv, v_smem, out_row, out_col)
+    # K and V are no longer read (the other warpgroup's dQ too is done with this K): their buffers stage dK
+    # and dV for the TMA stores
+    if FUSED:
+        ds_ready = dq_sums[2]
+        mbarrier.arrive(ds_ready.index(n_steps * GROUP % 2), count=1)
+        mbarrier.wait(ds_ready.index(n_steps * GROUP % 2), (n_steps * GROUP // 2) & 1)
+    _store(dk_desc, dk * softmax_scale, k_smem, kv_row + W * BLOCK_N, kv_col)
+    _store(dv_desc, dv, v_smem, kv_row + W * BLOCK_N, kv_col)
 
 
 @gluon.jit
 def attention_backward_dkdv_sm90_kernel(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, stride_lb, stride_lh, N, H, GROUP,
-    qk_scale, softmax_scale, window_left, CU_SEQLENS,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc, stride_lb, stride_lh, N, H,
+    GROUP, qk_scale, softmax_scale, window_left, CU_SEQLENS,
     CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     D: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     """Grid (N / (2 * BLOCK_N), B * HKV): dK, dV of 2 * BLOCK_N keys of one K/V head, two consumer
     warpgroups of BLOCK_N keys each, a producer warp streaming the (Q, dO, LSE, delta) tiles of the GQA
-    group; lse/delta_desc: LSE and DELTA as flat vectors, in blocks of BLOCK_M entries."""
+    group; lse/delta_desc: LSE and DELTA as flat vectors, in blocks of BLOCK_M entries. dq_desc: None, or
+    fp32 (B * N, H * D) rows, in blocks of BLOCK_M x D / 2, to which these keys' dQ shares are added."""
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
     hkv = H // GROUP
@@ -447,6 +502,11 @@ def attention_backward_dkdv_sm90_kernel(
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     k_bufs = _resident(k_desc, kv_bar, kv_row, kv_col)
     v_bufs = _resident(v_desc, kv_bar, kv_row, kv_col)
+    FUSED: gl.constexpr = dq_desc is not None
+    dq_sums = ()  # (a worker partition's arguments cannot be None)
+    if FUSED:  # dQ's target; dS^T tiles [step parity][warpgroup]; their barriers; staging tiles
+        ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, BLOCK_N, BLOCK_M], q_desc.layout)
+        dq_sums = (dq_desc, ds_bufs, _barriers(2, 2), _tiles(dq_desc, 2))
 
     first_query = 0
     last_query = N
@@ -460,13 +520,14 @@ def attention_backward_dkdv_sm90_kernel(
     q_row = seq0 + first_query
     gl.warp_specialize(
         [
-            (_dkdv_consumer, (dk_desc, dv_desc, k_bufs.index(0), v_bufs.index(0), q_bufs, do_bufs, lse_bufs,
-                              delta_bufs, kv_bar, ready, empty, kv_row, kv_col, n0, first_query, n_steps, GROUP,
-                              qk_scale, softmax_scale, window_left, CAUSAL, LEFT, BLOCK_M, BLOCK_N, D, STAGES)),
-            (_dkdv_consumer, (dk_desc, dv_desc, k_bufs.index(1), v_bufs.index(1), q_bufs, do_bufs, lse_bufs,
-                              delta_bufs, kv_bar, ready, empty, kv_row + BLOCK_N, kv_col, n0 + BLOCK_N, first_query,
-                              n_steps, GROUP, qk_scale, softmax_scale, window_left, CAUSAL, LEFT, BLOCK_M, BLOCK_N,
-                              D, STAGES)),
+            (_dkdv_consumer, (dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs,
+                              kv_bar, ready, empty, kv_row, kv_col, n0, first_query, q_row, h0 * D, n_steps, GROUP,
+                              qk_scale, softmax_scale, window_left, 0, FUSED, CAUSAL, LEFT, BLOCK_M, BLOCK_N, D,
+                              STAGES)),
+            (_dkdv_consumer, (dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs,
+                              kv_bar, ready, empty, kv_row, kv_col, n0, first_query, q_row, h0 * D, n_steps, GROUP,
+                              qk_scale, softmax_scale, window_left, 1, FUSED, CAUSAL, LEFT, BLOCK_M, BLOCK_N, D,
+                              STAGES)),
             (_dkdv_producer, (q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready,
                               empty, q_row, h0 * D, lse_row, stride_lh, n_steps, GROUP, BLOCK_M, D, STAGES)),
         ],
