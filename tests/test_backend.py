@@ -76,7 +76,8 @@ def test_hopper_scope():
     assert config.hopper_forward_config("cuda", 128, torch.bfloat16) is None
     assert config.hopper_forward_config("sm90", 256, torch.bfloat16) is None
     assert config.hopper_backward_config("sm90", 128, torch.bfloat16) is not None
-    assert config.hopper_backward_config("sm90", 64, torch.bfloat16) is None
+    assert config.hopper_backward_config("sm90", 64, torch.bfloat16) is not None
+    assert config.hopper_backward_config("sm90", 256, torch.bfloat16) is None
 
 
 @pytest.mark.skipif(

@@ -227,6 +227,8 @@ WINDOWS = _cases(
         # whole 128-row tiles: the sm90 Gluon kernels' sliding window
         Case(Shape(2, 1024, 1024, 8, 4, 128), causal=True, window=(200, -1)),
         Case(Shape(1, 1024, 1024, 4, 4, 128), causal=True, window=(0, 0)),
+        # and a span of 2048+ keys: the sm90 fused backward, masking every step
+        Case(Shape(1, 4096, 4096, 4, 2, 64), causal=True, window=(2500, -1)),
     ],
 )
 
@@ -442,14 +444,17 @@ SELF_SEQLENS = {  # one cu_seqlens for q and k, as flash_attn_varlen_qkvpacked_f
 }
 
 
-# sequences of whole 128-row tiles (one empty): the sm90 Gluon kernels' varlen path
+# sequences of whole 128-row tiles (one empty): the sm90 Gluon kernels' varlen path; the longest sequence of
+# LONG_TILED_SEQLENS gives a span of 2048+ keys: the fused backward
 TILED_SEQLENS = Seqlens(q=(256, 0, 1024, 128), k=(256, 0, 1024, 128), heads=8, heads_k=4, head_dim=128)
+LONG_TILED_SEQLENS = Seqlens(q=(2048, 128, 2304), k=(2048, 128, 2304), heads=4, heads_k=2, head_dim=64)
 
 
 def _varlen_cases(size: str) -> list[Case]:
     lens, same = SEQLENS[size], SELF_SEQLENS[size]
     window = {"tiny": (6, 2), "cpu": (64, 16), "gpu": (256, 32)}[size]
     tiled = [Case(TILED_SEQLENS), Case(TILED_SEQLENS, causal=True), Case(TILED_SEQLENS, causal=True, window=(200, -1))]
+    tiled.append(Case(LONG_TILED_SEQLENS))
     return (tiled if size == "gpu" else []) + [
         Case(lens),
         Case(lens, causal=True),

@@ -150,13 +150,18 @@ _SM90_HOPPER_FORWARD = {64: HopperForwardConfig(64, 128, 3), 128: HopperForwardC
 # behind). Issuing dK/dV's next S^T and dP^T behind dV and dK (cross-step overlap) was slower: D=128 16k 14.50 ms.
 # Since LSE and delta come through TMA (NOTES 23; dK/dV kernel 16k 6.17 -> 5.77 ms, causal 3.45 -> 2.89, 8 documents
 # 0.708 -> 0.497), the D=64 Gluon pair is level with the portable one (backward 16k 13.5 against 13.0 ms, causal
-# 6.56 against 6.75-7.12, 1k 1.03 against 1.09; 128-query steps spill), so D=64 keeps the portable kernels.
+# 6.56 against 6.75-7.12, 1k 1.03 against 1.09; 128-query steps spill), so D=64 kept the portable kernels then.
 # Fused (dQ added up by TMA reductions in the dK/dV kernel, NOTES 30) against the pair, whole backward ms, same
 # run: 16k 10.03-10.05 (a form with the scale in dS) against 10.67-10.74, causal 5.45-5.48 against 5.68-5.72, 4k
 # 2.65-2.71 against 2.87-2.89, 2k 1.40-1.46 against 1.54; at shorter spans the pair wins: causal 2k 0.90-0.92
 # against 0.89, causal 1k 0.55-0.56 against 0.54, 512 0.49-0.50 against 0.48, causal 512 0.40 against 0.36.
 # Hence fused_span 2048.
-_SM90_HOPPER_BACKWARD = {128: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3, 3, 2048)}
+# D=64 takes the same kernels since (whole backward ms against the portable pair, same run): 16k 13.14-13.28
+# against 14.20-14.48, causal 6.71-6.84 against 7.36-7.47, 4k 3.44-3.49 against 3.76-3.80, 2k 1.82-1.84 against
+# 2.02-2.06; below the fused span the Gluon pair: 512 0.63 against 0.68, causal 1k 0.68 against 0.70-0.71.
+_SM90_HOPPER_BACKWARD = {
+    d: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3, 3, 2048) for d in (64, 128)
+}
 
 # Other CUDA GPUs (smaller shared memory than Hopper): conservative tiles.
 _CUDA_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
