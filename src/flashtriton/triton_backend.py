@@ -348,14 +348,17 @@ def backward(
     )  # fmt: skip
     lse_strides = _lse_strides(lse, p.varlen)
 
-    delta = torch.empty_like(lse)
-    dq = torch.empty(q.shape, dtype=run_dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=run_dtype, device=q.device)
-    dv = torch.empty(v.shape, dtype=run_dtype, device=q.device)
     mask = p.block_mask
     hopper_cfg = config.hopper_backward_config(arch, head_dim, run_dtype)
     on_hopper = hopper_cfg is not None and _hopper_fits(p, hopper_cfg.rows, q, k, v, dout, out)
     fused = on_hopper and not p.deterministic and _span(p, n_q, n_k) >= hopper_cfg.fused_span
+    delta = torch.empty_like(lse)
+    if fused:  # the fused kernel adds dQ's shares up in fp32
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    else:
+        dq = torch.empty(q.shape, dtype=run_dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=run_dtype, device=q.device)
+    dv = torch.empty(v.shape, dtype=run_dtype, device=q.device)
     if on_hopper and not fused:  # dQ's own pass, which also computes delta for the dK/dV kernel after it
         _hopper_dq(q, k, v, out, dout, lse, dlse, delta, dq, p, hopper_cfg)
         _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, None, p, hopper_cfg)
@@ -365,8 +368,7 @@ def backward(
         out, dout, dlse, delta, *_strides(out, p.varlen), *_strides(dout, p.varlen), *lse_strides,
         N_Q=n_q, CU_SEQLENS_Q=p.cu_seqlens_q, BLOCK_M=block, VARLEN=p.varlen, **common,
     )  # fmt: skip
-    if fused:  # one pass: dK, dV and dQ, whose shares the key tiles add up in fp32 (in no fixed order)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    if fused:  # one pass: dK, dV and dQ, whose shares the key tiles add up in no fixed order
         _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq, p, hopper_cfg)
         return tuple(g.view(shape).to(grad_dtype) for g, shape in zip((dq, dk, dv), shapes, strict=True))
     block_m, block_n = _tile(cfg.block_m_kv, mask, 0), _tile(cfg.block_n_kv, mask, 1)
