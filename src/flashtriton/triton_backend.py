@@ -257,13 +257,12 @@ def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams,
     """dK, dV and, when dq_sums (zeroed fp32, shaped as q) is given, dQ added into it by TMA reductions."""
     batch, n, common = _hopper_common(q, k, lse, p)
     fused = dq_sums is not None
-    stages = cfg.stages_fused if fused else cfg.stages
     hopper.attention_backward_dkdv_sm90_kernel[(triton.cdiv(n, 2 * cfg.block_n), batch * k.shape[2])](
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
         _gluon_view(dout, cfg.block_m), _gluon_view(dk, cfg.block_n), _gluon_view(dv, cfg.block_n),
         _gluon_sums(dq_sums, cfg.block_m) if fused else None, _gluon_rows(lse, cfg.block_m),
         _gluon_rows(delta, cfg.block_m), softmax_scale=p.softmax_scale, **common,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
     )  # fmt: skip
 
 

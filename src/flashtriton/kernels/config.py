@@ -78,8 +78,7 @@ class HopperBackwardConfig:
     dq: HopperForwardConfig  # the deterministic dQ kernel's tiles, laid out as the forward's
     block_m: int  # dK/dV: query rows per streamed step
     block_n: int  # dK/dV: keys per consumer warpgroup; a program has two
-    stages: int  # dK/dV: (Q, dO) tiles in flight
-    stages_fused: int  # the same, when the kernel also computes dQ (its dS and dQ tiles take shared memory)
+    stages: int  # dK/dV: (Q, dO) tiles in flight; fused, its dS and dQ tiles take 64 KB more (D=128: 3 fit)
     fused_span: int  # the fused kernel from this mean span (keys a query row sees) on; below, the pair
 
     @property
@@ -159,9 +158,7 @@ _SM90_HOPPER_FORWARD = {64: HopperForwardConfig(64, 128, 3), 128: HopperForwardC
 # D=64 takes the same kernels since (whole backward ms against the portable pair, same run): 16k 13.14-13.28
 # against 14.20-14.48, causal 6.71-6.84 against 7.36-7.47, 4k 3.44-3.49 against 3.76-3.80, 2k 1.82-1.84 against
 # 2.02-2.06; below the fused span the Gluon pair: 512 0.63 against 0.68, causal 1k 0.68 against 0.70-0.71.
-_SM90_HOPPER_BACKWARD = {
-    d: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3, 3, 2048) for d in (64, 128)
-}
+_SM90_HOPPER_BACKWARD = {d: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3, 2048) for d in (64, 128)}
 
 # Other CUDA GPUs (smaller shared memory than Hopper): conservative tiles.
 _CUDA_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
