@@ -79,7 +79,7 @@ class HopperBackwardConfig:
     block_m: int  # dK/dV: query rows per streamed step
     block_n: int  # dK/dV: keys per consumer warpgroup; a program has two
     stages: int  # dK/dV: (Q, dO) tiles in flight; fused, its dS and dQ tiles take 64 KB more (D=128: 3 fit)
-    fused_span: int  # the fused kernel from this mean span (keys a query row sees) on; below, the pair
+    fused_span: int  # the fused kernel from this span on (triton_backend._span; varlen: the longest sequence's)
 
     @property
     def rows(self) -> int:

@@ -6,9 +6,9 @@ softmax (or dS) arithmetic between its matrix multiplies, so the tensor cores id
 
   producer   1 warp: streams tiles through TMA into a ring of STAGES shared-memory slots (``ready[s]``
              says a slot is full, ``empty[s]`` that both consumers are done with it)
-  consumers  2 warpgroups with a tile of their own each, not synchronised with each other, so the
-             SM can run one's arithmetic beside the other's MMAs (wgmma); explicit ping-pong turns
-             measured no faster (benchmarks/NOTES.md 25).
+  consumers  2 warpgroups with a tile of their own each, not synchronised with each other (except the
+             fused backward's per-step dS exchange), so the SM can run one's arithmetic beside the other's
+             MMAs (wgmma); explicit ping-pong turns measured no faster (benchmarks/NOTES.md 25).
 
 Forward: persistent, one program per SM looping over query tiles. The consumers own BLOCK_M query rows
 each and stream K/V tiles: S = Q K^T (both from shared memory), P = exp2(S * qk_scale - m), O += P V (P
