@@ -87,16 +87,21 @@ def _tma_view(x: torch.Tensor, block_rows: int, block_d: int, enabled: bool) -> 
     return TensorDescriptor(x, [batch * n, heads * d], [x.stride(1), 1], [block_rows, block_d])
 
 
+_GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+
 @functools.cache
-def _shared_layout(rows: int, d: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+def _shared_layout(rows: int, cols: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], _GLUON_DTYPES[dtype])
 
 
-def _gluon_view(x: torch.Tensor, rows: int) -> GluonTensorDescriptor:
-    """_tma_view for the Gluon kernel, whose descriptors also carry their shared-memory layout."""
+def _gluon_view(x: torch.Tensor, rows: int, cols: int | None = None) -> GluonTensorDescriptor:
+    """_tma_view for the Gluon kernel, whose descriptors also carry their shared-memory layout; blocks of rows x
+    cols (default: one head's D columns), as the fused backward's fp32 dQ takes TMA reductions in D / 2."""
     batch, n, heads, d = x.shape
-    layout = _shared_layout(rows, d, x.dtype)
-    return GluonTensorDescriptor(x, [batch * n, heads * d], [x.stride(1), 1], [rows, d], layout)
+    cols = cols or d
+    layout = _shared_layout(rows, cols, x.dtype)
+    return GluonTensorDescriptor(x, [batch * n, heads * d], [x.stride(1), 1], [rows, cols], layout)
 
 
 def _gluon_rows(x: torch.Tensor, rows: int) -> GluonTensorDescriptor:
@@ -245,14 +250,6 @@ def _lengths(q: torch.Tensor, k: torch.Tensor, p: AttentionParams) -> tuple[int,
     return q.shape[0], q.shape[1], k.shape[1]
 
 
-def _gluon_sums(x: torch.Tensor, rows: int) -> GluonTensorDescriptor:
-    """The (B * N, H * D) view of an fp32 (B, N, H, D) accumulator, which TMA reductions add to in blocks of
-    rows x D / 2."""
-    batch, n, heads, d = x.shape
-    layout = gl.NVMMASharedLayout.get_default_for([rows, d // 2], gl.float32)
-    return GluonTensorDescriptor(x, [batch * n, heads * d], [x.stride(1), 1], [rows, d // 2], layout)
-
-
 def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams, cfg: config.HopperBackwardConfig):
     """dK, dV and, when dq_sums (zeroed fp32, shaped as q) is given, dQ added into it by TMA reductions."""
     batch, n, common = _hopper_common(q, k, lse, p)
@@ -260,7 +257,7 @@ def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams,
     hopper.attention_backward_dkdv_sm90_kernel[(triton.cdiv(n, 2 * cfg.block_n), batch * k.shape[2])](
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
         _gluon_view(dout, cfg.block_m), _gluon_view(dk, cfg.block_n), _gluon_view(dv, cfg.block_n),
-        _gluon_sums(dq_sums, cfg.block_m) if fused else None, _gluon_rows(lse, cfg.block_m),
+        _gluon_view(dq_sums, cfg.block_m, q.shape[3] // 2) if fused else None, _gluon_rows(lse, cfg.block_m),
         _gluon_rows(delta, cfg.block_m), softmax_scale=p.softmax_scale, **common,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
     )  # fmt: skip
