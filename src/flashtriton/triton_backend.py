@@ -10,10 +10,8 @@ import functools
 import math
 
 import torch
-import triton
 from triton import knobs
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import dropout
@@ -25,6 +23,7 @@ from .kernels.backward import (
     attention_backward_preprocess_kernel,
 )
 from .kernels.forward import attention_forward_kernel
+from .launch import Descriptor, Launcher
 from .params import NO_BOUND, AttentionParams, lse_shape
 from .validation import host_read_cached
 
@@ -34,6 +33,10 @@ LOG2E = 1.0 / math.log(2.0)
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     return bool(knobs.runtime.interpret)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a constexpr function: several times the host time
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -95,19 +98,20 @@ def _shared_layout(rows: int, cols: int, dtype: torch.dtype) -> gl.NVMMASharedLa
     return gl.NVMMASharedLayout.get_default_for([rows, cols], _GLUON_DTYPES[dtype])
 
 
-def _gluon_view(x: torch.Tensor, rows: int, cols: int | None = None) -> GluonTensorDescriptor:
+def _gluon_view(x: torch.Tensor, rows: int, cols: int | None = None) -> Descriptor:
     """_tma_view for the Gluon kernel, whose descriptors also carry their shared-memory layout; blocks of rows x
     cols (default: one head's D columns), as the fused backward's fp32 dQ takes TMA reductions in D / 2."""
     batch, n, heads, d = x.shape
     cols = cols or d
-    layout = _shared_layout(rows, cols, x.dtype)
-    return GluonTensorDescriptor(x, [batch * n, heads * d], [x.stride(1), 1], [rows, cols], layout)
+    return Descriptor(x, (batch * n, heads * d), (x.stride(1), 1), (rows, cols), _shared_layout(rows, cols, x.dtype))
 
 
-def _gluon_rows(x: torch.Tensor, rows: int) -> GluonTensorDescriptor:
+_ROWS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+
+
+def _gluon_rows(x: torch.Tensor, rows: int) -> Descriptor:
     """A flat fp32 vector (LSE, delta) read through TMA in blocks of ``rows`` entries."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    return GluonTensorDescriptor(x, [x.numel()], [1], [rows], layout)
+    return Descriptor(x, (x.numel(),), (1,), (rows,), _ROWS_LAYOUT)
 
 
 def _plain(p: AttentionParams) -> bool:
@@ -151,6 +155,11 @@ def _hopper_common(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, p: Atten
     )  # fmt: skip
 
 
+_FORWARD_SM90 = Launcher(hopper.attention_forward_sm90_kernel)
+_DKDV_SM90 = Launcher(hopper.attention_backward_dkdv_sm90_kernel)
+_DQ_SM90 = Launcher(hopper.attention_backward_dq_sm90_kernel)
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -160,9 +169,9 @@ def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperFor
     """The persistent Gluon forward: one program per SM (or per work unit, if fewer) loops over the units
     (a query tile; causal, a long and a short one: kernels/hopper.py's _forward_tile)."""
     batch, n, common = _hopper_common(q, k, lse, p)
-    tiles = triton.cdiv(n, 2 * cfg.block_m)
-    units = (triton.cdiv(tiles, 2) if common["CAUSAL"] else tiles) * batch * common["H"]
-    hopper.attention_forward_sm90_kernel[(min(units, _sm_count(q.device)),)](
+    tiles = _cdiv(n, 2 * cfg.block_m)
+    units = (_cdiv(tiles, 2) if common["CAUSAL"] else tiles) * batch * common["H"]
+    _FORWARD_SM90[(min(units, _sm_count(q.device)),)](
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n), out, out.stride(1),
         lse, **common, units=units, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
     )  # fmt: skip
@@ -254,7 +263,7 @@ def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams,
     """dK, dV and, when dq_sums (zeroed fp32, shaped as q) is given, dQ added into it by TMA reductions."""
     batch, n, common = _hopper_common(q, k, lse, p)
     fused = dq_sums is not None
-    hopper.attention_backward_dkdv_sm90_kernel[(triton.cdiv(n, 2 * cfg.block_n), batch * k.shape[2])](
+    _DKDV_SM90[(_cdiv(n, 2 * cfg.block_n), batch * k.shape[2])](
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
         _gluon_view(dout, cfg.block_m), _gluon_view(dk, cfg.block_n), _gluon_view(dv, cfg.block_n),
         _gluon_view(dq_sums, cfg.block_m, q.shape[3] // 2) if fused else None, _gluon_rows(lse, cfg.block_m),
@@ -267,7 +276,7 @@ def _hopper_dq(q, k, v, out, dout, lse, dlse, delta, dq, p: AttentionParams, cfg
     """dQ, and delta = rowsum(dO * O) - dLSE (written for the dK/dV kernel) in the same pass."""
     batch, n, common = _hopper_common(q, k, lse, p)
     tiles = cfg.dq
-    hopper.attention_backward_dq_sm90_kernel[(triton.cdiv(n, 2 * tiles.block_m), batch * common["H"])](
+    _DQ_SM90[(_cdiv(n, 2 * tiles.block_m), batch * common["H"])](
         _gluon_view(q, tiles.block_m), _gluon_view(k, tiles.block_n), _gluon_view(v, tiles.block_n),
         _gluon_view(dout, tiles.block_m), _gluon_view(dq, tiles.block_m), lse, delta, out, dlse, out.stride(1),
         softmax_scale=p.softmax_scale, **common, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, STAGES=tiles.stages,
@@ -293,7 +302,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
     cfg = config.forward_config(arch, head_dim, run_dtype, _span(p, n_q, n_k), _plain(p))
     runtime, flags = _features(p)
     block_m, block_n = _tile(cfg.block_m, p.block_mask, 0), _tile(cfg.block_n, p.block_mask, 1)
-    grid = (triton.cdiv(n_q, block_m), batch * heads)
+    grid = (_cdiv(n_q, block_m), batch * heads)
     block_d = config.block_d(head_dim)
     attention_forward_kernel[grid](
         q, k, v, out, lse, _tma_view(k, block_n, block_d, cfg.tma), _tma_view(v, block_n, block_d, cfg.tma),
@@ -307,6 +316,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
         **_tile_lists(p.block_mask, False), **runtime, **flags,
     )  # fmt: skip
     return out.view(shape).to(out_dtype), lse
+
+
+def _shaped(grads: tuple[torch.Tensor, ...], shapes: tuple[torch.Size, ...], dtype: torch.dtype) -> tuple:
+    return tuple(g.view(shape).to(dtype) for g, shape in zip(grads, shapes, strict=True))
 
 
 def backward(
@@ -329,22 +342,6 @@ def backward(
     batch, n_q, n_k = _lengths(q, k, p)
     heads, head_dim, heads_k = q.shape[2], q.shape[3], k.shape[2]
     arch = config.arch_of(q.device, interpreting())
-    cfg = config.backward_config(
-        arch, head_dim, run_dtype, span=_span(p, n_q, n_k), windowed=p.window_left != NO_BOUND,
-        causal=p.window_left == NO_BOUND and p.window_right != NO_BOUND, varlen=p.varlen,
-        sparse=p.block_mask is not None,
-    )  # fmt: skip
-    runtime, flags = _features(p)
-    flags.update(SCORE_GRAD=p.score_mod.grad if p.score_mod else None)
-    block_d = config.block_d(head_dim)
-    common = dict(H=heads, D=head_dim, BLOCK_D=block_d)
-    kernel_args = dict(
-        N_Q=n_q, N_K=n_k, qk_scale=p.softmax_scale * LOG2E, softmax_scale=p.softmax_scale, GROUP=heads // heads_k,
-        DOT_PRECISION=_dot_precision(run_dtype), EDGE_STAGES=cfg.edge_stages, **common, **runtime, **flags,
-    )  # fmt: skip
-    lse_strides = _lse_strides(lse, p.varlen)
-
-    mask = p.block_mask
     hopper_cfg = config.hopper_backward_config(arch, head_dim, run_dtype)
     on_hopper = hopper_cfg is not None and _hopper_fits(p, hopper_cfg.rows, q, k, v, dout, out)
     fused = on_hopper and not p.deterministic and _span(p, n_q, n_k) >= hopper_cfg.fused_span
@@ -358,17 +355,32 @@ def backward(
     if on_hopper and not fused:  # dQ's own pass, which also computes delta for the dK/dV kernel after it
         _hopper_dq(q, k, v, out, dout, lse, dlse, delta, dq, p, hopper_cfg)
         _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, None, p, hopper_cfg)
-        return tuple(g.view(shape).to(grad_dtype) for g, shape in zip((dq, dk, dv), shapes, strict=True))
+        return _shaped((dq, dk, dv), shapes, grad_dtype)
+    block_d = config.block_d(head_dim)
+    common = dict(H=heads, D=head_dim, BLOCK_D=block_d)
+    lse_strides = _lse_strides(lse, p.varlen)
     block = config.PREPROCESS_BLOCK_M
-    attention_backward_preprocess_kernel[(triton.cdiv(n_q, block), batch * heads)](
+    attention_backward_preprocess_kernel[(_cdiv(n_q, block), batch * heads)](
         out, dout, dlse, delta, *_strides(out, p.varlen), *_strides(dout, p.varlen), *lse_strides,
         N_Q=n_q, CU_SEQLENS_Q=p.cu_seqlens_q, BLOCK_M=block, VARLEN=p.varlen, **common,
     )  # fmt: skip
     if fused:  # one pass: dK, dV and dQ, whose shares the key tiles add up in no fixed order
         _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq, p, hopper_cfg)
-        return tuple(g.view(shape).to(grad_dtype) for g, shape in zip((dq, dk, dv), shapes, strict=True))
+        return _shaped((dq, dk, dv), shapes, grad_dtype)
+    cfg = config.backward_config(
+        arch, head_dim, run_dtype, span=_span(p, n_q, n_k), windowed=p.window_left != NO_BOUND,
+        causal=p.window_left == NO_BOUND and p.window_right != NO_BOUND, varlen=p.varlen,
+        sparse=p.block_mask is not None,
+    )  # fmt: skip
+    runtime, flags = _features(p)
+    flags.update(SCORE_GRAD=p.score_mod.grad if p.score_mod else None)
+    kernel_args = dict(
+        N_Q=n_q, N_K=n_k, qk_scale=p.softmax_scale * LOG2E, softmax_scale=p.softmax_scale, GROUP=heads // heads_k,
+        DOT_PRECISION=_dot_precision(run_dtype), EDGE_STAGES=cfg.edge_stages, **common, **runtime, **flags,
+    )  # fmt: skip
+    mask = p.block_mask
     block_m, block_n = _tile(cfg.block_m_kv, mask, 0), _tile(cfg.block_n_kv, mask, 1)
-    attention_backward_dkdv_kernel[(triton.cdiv(n_k, block_n), batch * heads_k)](
+    attention_backward_dkdv_kernel[(_cdiv(n_k, block_n), batch * heads_k)](
         q, k, v, dout, lse, delta, dk, dv,
         _tma_view(q, block_m, block_d, cfg.tma), _tma_view(dout, block_m, block_d, cfg.tma),
         *(s for x in (q, k, v, dout, dk, dv) for s in _strides(x, p.varlen)), *lse_strides,
@@ -377,7 +389,7 @@ def backward(
         num_warps=cfg.num_warps, num_stages=cfg.stages_kv, **_tile_lists(mask, transposed=True), **kernel_args,
     )  # fmt: skip
     block_m, block_n = _tile(cfg.block_m_q, mask, 0), _tile(cfg.block_n_q, mask, 1)
-    attention_backward_dq_kernel[(triton.cdiv(n_q, block_m), batch * heads)](
+    attention_backward_dq_kernel[(_cdiv(n_q, block_m), batch * heads)](
         q, k, v, dout, lse, delta, dq,
         _tma_view(k, block_n, block_d, cfg.tma), _tma_view(v, block_n, block_d, cfg.tma),
         *(s for x in (q, k, v, dout, dq) for s in _strides(x, p.varlen)), *lse_strides,
@@ -386,4 +398,4 @@ def backward(
         num_warps=cfg.warps_q or cfg.num_warps, num_stages=cfg.stages_q, **_tile_lists(mask, transposed=False),
         **kernel_args,
     )  # fmt: skip
-    return tuple(g.view(shape).to(grad_dtype) for g, shape in zip((dq, dk, dv), shapes, strict=True))
+    return _shaped((dq, dk, dv), shapes, grad_dtype)
