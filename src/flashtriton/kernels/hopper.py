@@ -297,13 +297,16 @@ def _attend(q_smem, k_bufs, v_bufs, q_free, ready, empty, it, first_row, key0, n
 
 
 @gluon.jit
-def _forward_consumer(O, stride_o, LSE, stride_lb, stride_lh, q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty,
-                      N, H, CU_SEQLENS, units, n_m, qk_scale, window_left, W: gl.constexpr, CAUSAL: gl.constexpr,
-                      LEFT: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+def _forward_consumer(O, stride_o, o_store, LSE, stride_lb, stride_lh, q_smem, k_bufs, v_bufs, q_ready, q_empty, ready,
+                      empty, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left, W: gl.constexpr,
+                      CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, STAGE_O: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                      STAGES: gl.constexpr):  # fmt: skip
     """Warpgroup W's BLOCK_M query rows of each of this program's tiles. Q's buffer goes back to the
-    producer before the last P V, so the next tile's Q loads during this one's epilogue, which stores O
-    straight from registers."""
+    producer before the last P V, so the next tile's Q loads during this one's epilogue. The epilogue stores
+    O straight from registers or, STAGE_O with o_store = (o_desc, this warpgroup's tile), through shared
+    memory and a TMA store that runs on while the next tile starts (a register store writes each row's
+    columns in 16-byte pieces, 8 rows per instruction: about 1.5 us per tile at D=128, NOTES 33)."""
     o_layout: gl.constexpr = _mma_layout(D)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     rows_s: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N))
@@ -322,37 +325,55 @@ def _forward_consumer(O, stride_o, LSE, stride_lb, stride_lh, q_smem, k_bufs, v_
                 acc = acc / gl.expand_dims(gl.convert_layout(l_i, rows_o), 1)
                 lse = LSE + b * stride_lb + h * stride_lh + lse0 + first_row
                 gl.store(lse + gl.arange(0, BLOCK_M, rows_s), (m_i + gl.log2(l_i)) * LN2)
-                out = O + (seq0 + first_row).to(gl.int64) * stride_o + h * D
-                out += gl.expand_dims(gl.arange(0, BLOCK_M, rows_o), 1) * stride_o
-                gl.store(out + gl.expand_dims(gl.arange(0, D, gl.SliceLayout(0, o_layout)), 0), acc.to(q_smem.dtype))
+                if STAGE_O:
+                    o_desc, o_smem = o_store
+                    tma.store_wait(0)  # the previous tile's store has read o_smem
+                    o_smem.store(acc.to(o_desc.dtype))
+                    fence_async_shared()
+                    tma.async_copy_shared_to_global(o_desc, [seq0 + first_row, h * D], o_smem)
+                else:
+                    out = O + (seq0 + first_row).to(gl.int64) * stride_o + h * D
+                    out += gl.expand_dims(gl.arange(0, BLOCK_M, rows_o), 1) * stride_o
+                    cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
+                    gl.store(out + gl.expand_dims(cols, 0), acc.to(q_smem.dtype))
                 it += n_tiles
                 done += 1
+    if STAGE_O:
+        tma.store_wait(0)
 
 
 @gluon.jit
 def attention_forward_sm90_kernel(
-    q_desc, k_desc, v_desc, O, stride_o, LSE, stride_lb, stride_lh, N, H, GROUP, qk_scale, window_left, CU_SEQLENS,
-    units, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr,
+    q_desc, k_desc, v_desc, o_desc, O, stride_o, LSE, stride_lb, stride_lh, N, H, GROUP, qk_scale, window_left,
+    CU_SEQLENS, units, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     """Persistent: program i of P runs tiles i, i + P, ... of ``tiles`` = B * H * cdiv(N, 2 * BLOCK_M), a tile
     being 2 * BLOCK_M query rows of one head (tile t: head t // cdiv(...), causal ones longest first).
     q/k/v_desc: (rows, heads * D) views, blocks of [rows, D]: B sequences of N rows, or with VARLEN sequence b
-    at rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] (N the longest); O: the output, rows stride_o apart in that view.
+    at rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] (N the longest); O: the output, rows stride_o apart in that view,
+    stored from registers, or through o_desc (the same view, blocks of [BLOCK_M, D]) when that is not None.
     CAUSAL: query i sees keys j <= i, and with LEFT only j >= i - window_left."""
     k_bufs, v_bufs, ready, empty = _shared(k_desc, v_desc, STAGES)
     q_bufs = _tiles(q_desc, 2)
     q_ready = _barriers(2, 1)  # per consumer warpgroup: its Q tile has landed
     q_empty = _barriers(2, 1)  # per consumer warpgroup: it has done every S = Q K^T of its tile
     n_m = gl.cdiv(N, 2 * BLOCK_M)
+    STAGE_O: gl.constexpr = o_desc is not None
+    o_store0 = ()  # (a worker partition's arguments cannot be None)
+    o_store1 = ()
+    if STAGE_O:
+        o_bufs = _tiles(o_desc, 2)
+        o_store0 = (o_desc, o_bufs.index(0))
+        o_store1 = (o_desc, o_bufs.index(1))
     gl.warp_specialize(
         [
-            (_forward_consumer, (O, stride_o, LSE, stride_lb, stride_lh, q_bufs.index(0), k_bufs, v_bufs, q_ready,
-                                 q_empty, ready, empty, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left, 0,
-                                 CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N, D, STAGES)),
-            (_forward_consumer, (O, stride_o, LSE, stride_lb, stride_lh, q_bufs.index(1), k_bufs, v_bufs, q_ready,
-                                 q_empty, ready, empty, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left, 1,
-                                 CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N, D, STAGES)),
+            (_forward_consumer, (O, stride_o, o_store0, LSE, stride_lb, stride_lh, q_bufs.index(0), k_bufs, v_bufs,
+                                 q_ready, q_empty, ready, empty, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
+                                 0, CAUSAL, LEFT, VARLEN, STAGE_O, BLOCK_M, BLOCK_N, D, STAGES)),
+            (_forward_consumer, (O, stride_o, o_store1, LSE, stride_lb, stride_lh, q_bufs.index(1), k_bufs, v_bufs,
+                                 q_ready, q_empty, ready, empty, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
+                                 1, CAUSAL, LEFT, VARLEN, STAGE_O, BLOCK_M, BLOCK_N, D, STAGES)),
             (_forward_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready, empty, N,
                                  H, GROUP, CU_SEQLENS, units, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M,
                                  BLOCK_N, D, STAGES)),
