@@ -141,7 +141,7 @@ _SM90_SHORT_BACKWARD = {128: BackwardConfig(32, 128, 128, 64, 8, 2, 3, tma=True)
 # N=4k 0.821 -> 0.831-0.837, 16k within noise. D=64 now beats the portable kernel at short N too (N=512 0.209 ->
 # 0.204-0.206, 1k 0.354 -> 0.340, causal 0.244 -> 0.233, causal 2k 0.398 -> 0.380), so its former threshold
 # (Gluon only from a span of 2048 keys) is gone.
-# O through shared memory and a TMA store (stage_o; NOTES 33), forward kernel ms, same run, two repeats: D=64
+# O through shared memory and a TMA store (stage_o; NOTES 34), forward kernel ms, same run, two repeats: D=64
 # N=512 0.207-0.208 -> 0.198-0.199, 1k 0.340 -> 0.328-0.331, 2k 0.635-0.641 -> 0.621-0.627, causal 512 0.161-0.162
 # -> 0.155-0.156, causal 2k 0.367-0.370 -> 0.354-0.358, 16k level. D=128 has no room for it beside three slots, and
 # two slots lose more than it gains (N=512 0.156 -> 0.170, 16k 3.45 -> 4.29).

@@ -306,7 +306,7 @@ def _forward_consumer(O, stride_o, o_store, LSE, stride_lb, stride_lh, q_smem, k
     producer before the last P V, so the next tile's Q loads during this one's epilogue. The epilogue stores
     O straight from registers or, STAGE_O with o_store = (o_desc, this warpgroup's tile), through shared
     memory and a TMA store that runs on while the next tile starts (a register store writes each row's
-    columns in 16-byte pieces, 8 rows per instruction: about 1.5 us per tile at D=128, NOTES 33)."""
+    columns in 16-byte pieces, 8 rows per instruction: about 1.5 us per tile at D=128, NOTES 34)."""
     o_layout: gl.constexpr = _mma_layout(D)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     rows_s: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N))
