@@ -46,6 +46,8 @@ SHAPES = {
         Shape(2, 1024, 1024, 8, 4, 128),  # whole 128-row tiles: the sm90 Gluon kernels
         Shape(1, 1280, 1280, 4, 2, 128),  # five 256-row forward tiles: a causal work unit of one tile
         Shape(1, 4096, 4096, 2, 1, 128),  # spans of 2048+ keys: the sm90 fused backward (atomic dQ)
+        Shape(2, 2048, 2048, 4, 2, 64),  # batch rows on the fused backward and the D=64 staged O store
+        Shape(2, 4096, 4096, 2, 1, 128),  # batch rows on the causal fused backward
     ],
 }
 
