@@ -1,5 +1,7 @@
 """FLASHTRITON_BACKEND selects the path; impossible selections fail with the fix."""
 
+import functools
+
 import pytest
 import torch
 
@@ -70,11 +72,18 @@ def test_hopper_scope():
     assert not fits(k=kv[:, :128])  # cross-attention
     assert not fits(q=q[..., :48], k=kv[..., :48])  # head dim not a power of two
     config = triton_backend.config
-    assert config.hopper_forward_config("sm90", 128, torch.bfloat16) is not None
-    assert config.hopper_forward_config("sm90", 64, torch.float16) is not None
-    assert config.hopper_forward_config("sm90", 128, torch.float32) is None
-    assert config.hopper_forward_config("cuda", 128, torch.bfloat16) is None
-    assert config.hopper_forward_config("sm90", 256, torch.bfloat16) is None
+    forward = functools.partial(config.hopper_forward_config, banded=False, span=1024)
+    assert forward("sm90", 128, torch.bfloat16) is not None
+    assert forward("sm90", 64, torch.float16) is not None
+    assert forward("sm90", 128, torch.float32) is None
+    assert forward("cuda", 128, torch.bfloat16) is None
+    assert forward("sm90", 256, torch.bfloat16) is None
+    # three consumer warpgroups for D=64 over long unbanded spans only
+    wide = config.WIDE_SPAN
+    assert forward("sm90", 64, torch.bfloat16, span=wide).consumers == 3
+    assert forward("sm90", 64, torch.bfloat16, span=wide - 1).consumers == 2
+    assert forward("sm90", 64, torch.bfloat16, span=wide, banded=True).consumers == 2
+    assert forward("sm90", 128, torch.bfloat16, span=wide).consumers == 2
     assert config.hopper_backward_config("sm90", 128, torch.bfloat16) is not None
     assert config.hopper_backward_config("sm90", 64, torch.bfloat16) is not None
     assert config.hopper_backward_config("sm90", 256, torch.bfloat16) is None

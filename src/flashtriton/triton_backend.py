@@ -169,12 +169,13 @@ def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperFor
     """The persistent Gluon forward: one program per SM (or per work unit, if fewer) loops over the units
     (a query tile; causal, a long and a short one: kernels/hopper.py's _forward_tile)."""
     batch, n, common = _hopper_common(q, k, lse, p)
-    tiles = _cdiv(n, 2 * cfg.block_m)
+    tiles = _cdiv(n, cfg.consumers * cfg.block_m)
     units = (_cdiv(tiles, 2) if common["CAUSAL"] else tiles) * batch * common["H"]
     _FORWARD_SM90[(min(units, _sm_count(q.device)),)](
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
         _gluon_view(out, cfg.block_m) if cfg.stage_o else None, out, out.stride(1),
-        lse, **common, units=units, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+        lse, **common, units=units, CONSUMERS=cfg.consumers, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        STAGES=cfg.stages,
     )  # fmt: skip
 
 
@@ -296,7 +297,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
     out = torch.empty(q.shape, dtype=run_dtype, device=q.device)
 
     arch = config.arch_of(q.device, interpreting())
-    hopper_cfg = config.hopper_forward_config(arch, head_dim, run_dtype)
+    banded = p.window_left != NO_BOUND or p.window_right != NO_BOUND
+    hopper_cfg = config.hopper_forward_config(arch, head_dim, run_dtype, banded=banded, span=_span(p, n_q, n_k))
     if hopper_cfg is not None and _hopper_fits(p, hopper_cfg.rows, q, k, v):
         _hopper_forward(q, k, v, out, lse, p, hopper_cfg)
         return out.view(shape).to(out_dtype), lse

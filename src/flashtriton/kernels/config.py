@@ -60,15 +60,16 @@ class BackwardConfig:
 class HopperForwardConfig:
     """The Gluon sm90 forward (kernels/hopper.py)."""
 
-    block_m: int  # query rows per consumer warpgroup; a program has two
+    block_m: int  # query rows per consumer warpgroup
     block_n: int  # keys per K/V tile
     stages: int  # K/V tiles in flight (slots of the shared-memory ring)
-    stage_o: bool = False  # the forward's O through shared memory and a TMA store (2 * block_m * D more of it)
+    stage_o: bool = False  # the forward's O through shared memory and a TMA store (consumers * block_m * D more of it)
+    consumers: int = 2  # the forward's consumer warpgroups (2 or 3; the backward's dQ kernel has two)
 
     @property
     def rows(self) -> int:
-        """Sequences must be whole multiples of this many rows (a program's, and a K/V tile's)."""
-        return math.lcm(2 * self.block_m, self.block_n)
+        """The forward's sequences must be whole multiples of this many rows (a warpgroup's, a K/V tile's)."""
+        return math.lcm(self.block_m, self.block_n)
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class HopperBackwardConfig:
     @property
     def rows(self) -> int:
         """Sequences must be whole multiples of this many rows (of both kernels' programs and tiles)."""
-        return math.lcm(self.dq.rows, self.block_m, 2 * self.block_n)
+        return math.lcm(2 * self.dq.block_m, self.dq.block_n, self.block_m, 2 * self.block_n)
 
 
 # Rows of the preprocessing kernel (delta = rowsum(dO * O)) per program.
@@ -146,6 +147,14 @@ _SM90_SHORT_BACKWARD = {128: BackwardConfig(32, 128, 128, 64, 8, 2, 3, tma=True)
 # -> 0.155-0.156, causal 2k 0.367-0.370 -> 0.354-0.358, 16k level. D=128 has no room for it beside three slots, and
 # two slots lose more than it gains (N=512 0.156 -> 0.170, 16k 3.45 -> 4.29).
 _SM90_HOPPER_FORWARD = {64: HopperForwardConfig(64, 128, 3, stage_o=True), 128: HopperForwardConfig(64, 128, 3)}
+# Unbanded (no causal or window bound) spans of WIDE_SPAN keys or more, by head dim: D=64 with three consumer
+# warpgroups (NOTES 36), forward kernel ms against two, same run: N=2k 0.627-0.636 -> 0.606-0.613, 4k 1.23-1.25 ->
+# 1.16, 8k 2.43-2.45 -> 2.18, 16k 4.89 -> 4.33-4.42; level at 1k, 3% slower at 512 (a 192-row tile's third
+# warpgroup idles on the last tile of a head); causal 1.54-1.77x slower at N <= 1k, level from 8k (the three
+# warpgroups' tiles see different numbers of keys). D=128 has neither the registers (296 B of spill) nor the
+# shared memory for a third.
+_SM90_HOPPER_FORWARD_WIDE = {64: HopperForwardConfig(64, 128, 3, stage_o=True, consumers=3)}
+WIDE_SPAN = 2048
 
 # The Gluon backward on sm90, by head dim (H200, backward kernel times, B * N = 16k, H * D = 2048, same run):
 # D=128 dK/dV with the portable dQ: N=16k 12.59 -> 11.90 ms, causal 6.84 -> 6.53, N=4k 3.30 -> 3.11, 1k 1.00 -> 0.92
@@ -225,9 +234,16 @@ def forward_config(arch: str, head_dim: int, dtype: torch.dtype, span: int, plai
     return _halve_for_fp32(cfg, dtype)
 
 
-def hopper_forward_config(arch: str, head_dim: int, dtype: torch.dtype) -> HopperForwardConfig | None:
-    """The Gluon forward's config, or None where it does not run (forward_config's kernel does)."""
-    return _SM90_HOPPER_FORWARD.get(head_dim) if arch == "sm90" and dtype != torch.float32 else None
+def hopper_forward_config(
+    arch: str, head_dim: int, dtype: torch.dtype, *, banded: bool, span: int
+) -> HopperForwardConfig | None:
+    """The Gluon forward's config, or None where it does not run (forward_config's kernel does). ``banded``: a
+    causal or window bound; ``span``: keys per query row (varlen: the longest sequence's)."""
+    if arch != "sm90" or dtype == torch.float32:
+        return None
+    if not banded and span >= WIDE_SPAN and head_dim in _SM90_HOPPER_FORWARD_WIDE:
+        return _SM90_HOPPER_FORWARD_WIDE[head_dim]
+    return _SM90_HOPPER_FORWARD.get(head_dim)
 
 
 def hopper_backward_config(arch: str, head_dim: int, dtype: torch.dtype) -> HopperBackwardConfig | None:

@@ -113,7 +113,7 @@ def _key_tiles(m0, rows, N, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexp
     if LEFT:
         key0 = gl.maximum(m0 - window_left, 0) // BLOCK_N * BLOCK_N
     if CAUSAL:
-        n_tiles = gl.cdiv(m0 + rows, BLOCK_N) - key0 // BLOCK_N
+        n_tiles = gl.cdiv(gl.minimum(m0 + rows, N), BLOCK_N) - key0 // BLOCK_N
     return key0, n_tiles
 
 
@@ -135,11 +135,11 @@ def _barriers(n: gl.constexpr, count: gl.constexpr):
 
 
 @gluon.jit
-def _shared(a_desc, b_desc, STAGES: gl.constexpr):
+def _shared(a_desc, b_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
     """A program's ring: STAGES shared-memory slots, each for one a_desc and one b_desc tile, with barriers
-    ``ready[s]`` (the producer's loads into slot s have landed) and ``empty[s]`` (both consumer warpgroups
-    are done with slot s: two arrivals)."""
-    return _tiles(a_desc, STAGES), _tiles(b_desc, STAGES), _barriers(STAGES, 1), _barriers(STAGES, 2)
+    ``ready[s]`` (the producer's loads into slot s have landed) and ``empty[s]`` (every one of the CONSUMERS
+    warpgroups is done with slot s)."""
+    return _tiles(a_desc, STAGES), _tiles(b_desc, STAGES), _barriers(STAGES, 1), _barriers(STAGES, CONSUMERS)
 
 
 @gluon.jit
@@ -206,38 +206,39 @@ def _online_softmax(scores, m_i, l_i, rows, first_row, first_col, qk_scale, wind
 
 @gluon.jit
 def _forward_tile(u, r, n_m, N, H, CU_SEQLENS, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
-                  VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+                  VARLEN: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
     """Tile r of the persistent grid's work unit u: (whether it has rows, batch, head, first query row in
-    the sequence, first row of the sequence, its first LSE column, then _key_tiles' two). A unit is one
-    query tile; causal, it is the p-th longest and the p-th shortest query tiles of a head (r = 0, 1; one
-    tile in the middle of an odd count), so that every unit has about the same work."""
+    the sequence, the sequence's length, its first row, its first LSE column, then _key_tiles' two). A unit is
+    one query tile of ROWS rows; causal, it is the p-th longest and the p-th shortest query tiles of a head
+    (r = 0, 1; one tile in the middle of an odd count), so that every unit has about the same work."""
     per_head = n_m
     if CAUSAL:
         per_head = (n_m + 1) // 2
     p = u % per_head
     pid_m = p + r * (n_m - 1 - 2 * p)  # r = 1: n_m - 1 - p
-    b, h, m0, seq0, n, lse0 = _query_tile(pid_m, u // per_head, n_m, N, H, CU_SEQLENS, CAUSAL, VARLEN, 2 * BLOCK_M)
-    key0, n_tiles = _key_tiles(m0, 2 * BLOCK_M, n, window_left, CAUSAL, LEFT, BLOCK_N)
+    b, h, m0, seq0, n, lse0 = _query_tile(pid_m, u // per_head, n_m, N, H, CU_SEQLENS, CAUSAL, VARLEN, ROWS)
+    key0, n_tiles = _key_tiles(m0, ROWS, n, window_left, CAUSAL, LEFT, BLOCK_N)
     valid = (m0 < n) & ((r == 0) | (2 * p + 1 < n_m))  # past a shorter varlen sequence; the middle tile's twin
-    return valid, b, h, m0, seq0, lse0, key0, n_tiles
+    return valid, b, h, m0, n, seq0, lse0, key0, n_tiles
 
 
 @gluon.jit
-def _forward_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready, empty, N, H, GROUP,
-                      CU_SEQLENS, units, n_m, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
-                      VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                      STAGES: gl.constexpr):  # fmt: skip
+def _forward_producer(q_desc, k_desc, v_desc, ring, N, H, GROUP, CU_SEQLENS, units, n_m, window_left,
+                      CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, CONSUMERS: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """For each of this program's tiles: each warpgroup's Q tile once that warpgroup is done with its last
-    (``q_empty``), then the (K, V) tiles, continuing around the ring."""
+    (``q_empty``; rows past a sequence's end too, which that warpgroup skips), then the (K, V) tiles,
+    continuing around the ring."""
+    q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready, empty = ring
     it = 0
     done = 0
     for u in range(gl.program_id(0), units, gl.num_programs(0)):
         for r in range(1 + CAUSAL):
-            valid, _, h, m0, seq0, _, key0, n_tiles = _forward_tile(
-                u, r, n_m, N, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N
+            valid, _, h, m0, _, seq0, _, key0, n_tiles = _forward_tile(
+                u, r, n_m, N, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN, CONSUMERS * BLOCK_M, BLOCK_N
             )
             if valid:
-                for w in gl.static_range(2):
+                for w in gl.static_range(CONSUMERS):
                     mbarrier.wait(q_empty.index(w), (done & 1) ^ 1)
                     mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(q_desc, [seq0 + m0 + w * BLOCK_M, h * D], q_ready.index(w),
@@ -246,6 +247,15 @@ def _forward_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q
                         BLOCK_N, STAGES)  # fmt: skip
                 it += n_tiles
                 done += 1
+
+
+@gluon.jit
+def _pass(ready, empty, it, n, STAGES: gl.constexpr):
+    """Lets n ring slots from position it on go by unread: waits for each to fill, then releases it."""
+    for j in range(n):
+        s = (it + j) % STAGES
+        mbarrier.wait(ready.index(s), ((it + j) // STAGES) & 1)
+        mbarrier.arrive(empty.index(s), count=1)
 
 
 @gluon.jit
@@ -297,45 +307,62 @@ def _attend(q_smem, k_bufs, v_bufs, q_free, ready, empty, it, first_row, key0, n
 
 
 @gluon.jit
-def _forward_consumer(O, stride_o, o_store, LSE, stride_lb, stride_lh, q_smem, k_bufs, v_bufs, q_ready, q_empty, ready,
-                      empty, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left, W: gl.constexpr,
+def _forward_consumer(outputs, ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left, W: gl.constexpr,
                       CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, STAGE_O: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                      CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                       STAGES: gl.constexpr):  # fmt: skip
-    """Warpgroup W's BLOCK_M query rows of each of this program's tiles. Q's buffer goes back to the
-    producer before the last P V, so the next tile's Q loads during this one's epilogue. The epilogue stores
-    O straight from registers or, STAGE_O with o_store = (o_desc, this warpgroup's tile), through shared
+    """Warpgroup W's BLOCK_M query rows of each of this program's tiles. It multiplies only the key tiles its
+    rows see (causal, a tile of three warpgroups' rows streams more than its first warpgroup needs) and lets
+    the others go by, as it does a whole tile whose rows start past the sequence's end. Q's buffer goes back to
+    the producer before the last P V, so the next tile's Q loads during this one's epilogue. The epilogue stores
+    O straight from registers or, STAGE_O with o_store = (o_desc, a tile per warpgroup), through shared
     memory and a TMA store that runs on while the next tile starts (a register store writes each row's
-    columns in 16-byte pieces, 8 rows per instruction: about 1.5 us per tile at D=128, NOTES 34)."""
+    columns in 16-byte pieces, 8 rows per instruction: about 1.5 us per tile at D=128, NOTES 34).
+    outputs: (O, its row stride, o_store, LSE, LSE's batch and head strides); ring: the kernel's shared memory."""
+    O, stride_o, o_store, LSE, stride_lb, stride_lh = outputs
+    q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready, empty = ring
     o_layout: gl.constexpr = _mma_layout(D)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     rows_s: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N))
+    q_smem = q_bufs.index(W)
     it = 0
     done = 0
     for u in range(gl.program_id(0), units, gl.num_programs(0)):
         for r in range(1 + CAUSAL):
-            valid, b, h, m0, seq0, lse0, key0, n_tiles = _forward_tile(
-                u, r, n_m, N, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N
+            valid, b, h, m0, n, seq0, lse0, key0, n_tiles = _forward_tile(
+                u, r, n_m, N, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN, CONSUMERS * BLOCK_M, BLOCK_N
             )
             if valid:
                 first_row = m0 + W * BLOCK_M
+                own0, n_own = _key_tiles(first_row, BLOCK_M, n, window_left, CAUSAL, LEFT, BLOCK_N)
+                lead = (own0 - key0) // BLOCK_N
+                if first_row >= n:
+                    lead = n_tiles
+                    n_own = 0
                 mbarrier.wait(q_ready.index(W), done & 1)
-                acc, m_i, l_i = _attend(q_smem, k_bufs, v_bufs, q_empty.index(W), ready, empty, it, first_row, key0,
-                                        n_tiles, qk_scale, window_left, CAUSAL, LEFT, BLOCK_N, D, STAGES)  # fmt: skip
-                acc = acc / gl.expand_dims(gl.convert_layout(l_i, rows_o), 1)
-                lse = LSE + b * stride_lb + h * stride_lh + lse0 + first_row
-                gl.store(lse + gl.arange(0, BLOCK_M, rows_s), (m_i + gl.log2(l_i)) * LN2)
-                if STAGE_O:
-                    o_desc, o_smem = o_store
-                    tma.store_wait(0)  # the previous tile's store has read o_smem
-                    o_smem.store(acc.to(o_desc.dtype))
-                    fence_async_shared()
-                    tma.async_copy_shared_to_global(o_desc, [seq0 + first_row, h * D], o_smem)
+                _pass(ready, empty, it, lead, STAGES)
+                if n_own > 0:
+                    acc, m_i, l_i = _attend(q_smem, k_bufs, v_bufs, q_empty.index(W), ready, empty, it + lead,
+                                            first_row, own0, n_own, qk_scale, window_left, CAUSAL, LEFT, BLOCK_N, D,
+                                            STAGES)  # fmt: skip
+                    acc = acc / gl.expand_dims(gl.convert_layout(l_i, rows_o), 1)
+                    lse = LSE + b * stride_lb + h * stride_lh + lse0 + first_row
+                    gl.store(lse + gl.arange(0, BLOCK_M, rows_s), (m_i + gl.log2(l_i)) * LN2)
+                    if STAGE_O:
+                        o_desc, o_bufs = o_store
+                        o_smem = o_bufs.index(W)
+                        tma.store_wait(0)  # the previous tile's store has read o_smem
+                        o_smem.store(acc.to(o_desc.dtype))
+                        fence_async_shared()
+                        tma.async_copy_shared_to_global(o_desc, [seq0 + first_row, h * D], o_smem)
+                    else:
+                        out = O + (seq0 + first_row).to(gl.int64) * stride_o + h * D
+                        out += gl.expand_dims(gl.arange(0, BLOCK_M, rows_o), 1) * stride_o
+                        cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
+                        gl.store(out + gl.expand_dims(cols, 0), acc.to(q_smem.dtype))
                 else:
-                    out = O + (seq0 + first_row).to(gl.int64) * stride_o + h * D
-                    out += gl.expand_dims(gl.arange(0, BLOCK_M, rows_o), 1) * stride_o
-                    cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
-                    gl.store(out + gl.expand_dims(cols, 0), acc.to(q_smem.dtype))
+                    mbarrier.arrive(q_empty.index(W), count=1)
+                _pass(ready, empty, it + lead + n_own, n_tiles - lead - n_own, STAGES)
                 it += n_tiles
                 done += 1
     if STAGE_O:
@@ -345,42 +372,56 @@ def _forward_consumer(O, stride_o, o_store, LSE, stride_lb, stride_lh, q_smem, k
 @gluon.jit
 def attention_forward_sm90_kernel(
     q_desc, k_desc, v_desc, o_desc, O, stride_o, LSE, stride_lb, stride_lh, N, H, GROUP, qk_scale, window_left,
-    CU_SEQLENS, units, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+    CU_SEQLENS, units, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, CONSUMERS: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
-    """Persistent: program i of P runs tiles i, i + P, ... of ``tiles`` = B * H * cdiv(N, 2 * BLOCK_M), a tile
-    being 2 * BLOCK_M query rows of one head (tile t: head t // cdiv(...), causal ones longest first).
+    """Persistent: program i of P runs units i, i + P, ... of ``units`` (_forward_tile), a tile being
+    CONSUMERS * BLOCK_M query rows of one head (2 or 3 consumer warpgroups of BLOCK_M rows each).
     q/k/v_desc: (rows, heads * D) views, blocks of [rows, D]: B sequences of N rows, or with VARLEN sequence b
-    at rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] (N the longest); O: the output, rows stride_o apart in that view,
-    stored from registers, or through o_desc (the same view, blocks of [BLOCK_M, D]) when that is not None.
+    at rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] (N the longest), each a whole number of BLOCK_M and of BLOCK_N
+    rows; O: the output, rows stride_o apart in that view, stored from registers, or through o_desc (the same
+    view, blocks of [BLOCK_M, D]) when that is not None.
     CAUSAL: query i sees keys j <= i, and with LEFT only j >= i - window_left."""
-    k_bufs, v_bufs, ready, empty = _shared(k_desc, v_desc, STAGES)
-    q_bufs = _tiles(q_desc, 2)
-    q_ready = _barriers(2, 1)  # per consumer warpgroup: its Q tile has landed
-    q_empty = _barriers(2, 1)  # per consumer warpgroup: it has done every S = Q K^T of its tile
-    n_m = gl.cdiv(N, 2 * BLOCK_M)
+    k_bufs, v_bufs, ready, empty = _shared(k_desc, v_desc, STAGES, CONSUMERS)
+    q_bufs = _tiles(q_desc, CONSUMERS)
+    q_ready = _barriers(CONSUMERS, 1)  # per consumer warpgroup: its Q tile has landed
+    q_empty = _barriers(CONSUMERS, 1)  # per consumer warpgroup: it has done every S = Q K^T of its tile
+    n_m = gl.cdiv(N, CONSUMERS * BLOCK_M)
     STAGE_O: gl.constexpr = o_desc is not None
-    o_store0 = ()  # (a worker partition's arguments cannot be None)
-    o_store1 = ()
+    o_store = ()  # (a worker partition's arguments cannot be None)
     if STAGE_O:
-        o_bufs = _tiles(o_desc, 2)
-        o_store0 = (o_desc, o_bufs.index(0))
-        o_store1 = (o_desc, o_bufs.index(1))
-    gl.warp_specialize(
-        [
-            (_forward_consumer, (O, stride_o, o_store0, LSE, stride_lb, stride_lh, q_bufs.index(0), k_bufs, v_bufs,
-                                 q_ready, q_empty, ready, empty, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
-                                 0, CAUSAL, LEFT, VARLEN, STAGE_O, BLOCK_M, BLOCK_N, D, STAGES)),
-            (_forward_consumer, (O, stride_o, o_store1, LSE, stride_lb, stride_lh, q_bufs.index(1), k_bufs, v_bufs,
-                                 q_ready, q_empty, ready, empty, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
-                                 1, CAUSAL, LEFT, VARLEN, STAGE_O, BLOCK_M, BLOCK_N, D, STAGES)),
-            (_forward_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready, empty, N,
-                                 H, GROUP, CU_SEQLENS, units, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M,
-                                 BLOCK_N, D, STAGES)),
-        ],
-        [4, 1],
-        [232, 24],
-    )  # fmt: skip
+        o_store = (o_desc, _tiles(o_desc, CONSUMERS))
+    ring = (q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready, empty)
+    outputs = (O, stride_o, o_store, LSE, stride_lb, stride_lh)
+    # 64K registers per SM: 232 per thread for each of two consumer warpgroups, 160 for three
+    if CONSUMERS == 2:
+        gl.warp_specialize(
+            [
+                (_forward_consumer, (outputs, ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left, 0, CAUSAL,
+                                     LEFT, VARLEN, STAGE_O, CONSUMERS, BLOCK_M, BLOCK_N, D, STAGES)),
+                (_forward_consumer, (outputs, ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left, 1, CAUSAL,
+                                     LEFT, VARLEN, STAGE_O, CONSUMERS, BLOCK_M, BLOCK_N, D, STAGES)),
+                (_forward_producer, (q_desc, k_desc, v_desc, ring, N, H, GROUP, CU_SEQLENS, units, n_m, window_left,
+                                     CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_M, BLOCK_N, D, STAGES)),
+            ],
+            [4, 1],
+            [232, 24],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (_forward_consumer, (outputs, ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left, 0, CAUSAL,
+                                     LEFT, VARLEN, STAGE_O, CONSUMERS, BLOCK_M, BLOCK_N, D, STAGES)),
+                (_forward_consumer, (outputs, ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left, 1, CAUSAL,
+                                     LEFT, VARLEN, STAGE_O, CONSUMERS, BLOCK_M, BLOCK_N, D, STAGES)),
+                (_forward_consumer, (outputs, ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left, 2, CAUSAL,
+                                     LEFT, VARLEN, STAGE_O, CONSUMERS, BLOCK_M, BLOCK_N, D, STAGES)),
+                (_forward_producer, (q_desc, k_desc, v_desc, ring, N, H, GROUP, CU_SEQLENS, units, n_m, window_left,
+                                     CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_M, BLOCK_N, D, STAGES)),
+            ],
+            [4, 4, 1],
+            [160, 160, 24],
+        )  # fmt: skip
 
 
 @gluon.jit
@@ -516,7 +557,7 @@ def attention_backward_dkdv_sm90_kernel(
     kv_row = seq0 + n0
     kv_col = hk * D
 
-    q_bufs, do_bufs, ready, empty = _shared(q_desc, do_desc, STAGES)
+    q_bufs, do_bufs, ready, empty = _shared(q_desc, do_desc, STAGES, 2)
     kv_bar = _barriers(1, 1).index(0)  # the resident K and V tiles have landed
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
@@ -623,7 +664,7 @@ def attention_backward_dq_sm90_kernel(
     q_col = h * D
     q_row = seq0 + m0
 
-    k_bufs, v_bufs, ready, empty = _shared(k_desc, v_desc, STAGES)
+    k_bufs, v_bufs, ready, empty = _shared(k_desc, v_desc, STAGES, 2)
     q_bar = _barriers(1, 1).index(0)  # the resident Q and dO tiles have landed
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
     q_bufs = _resident(q_desc, q_bar, q_row, q_col)
