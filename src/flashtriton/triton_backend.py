@@ -175,7 +175,7 @@ def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperFor
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
         _gluon_view(out, cfg.block_m) if cfg.stage_o else None, out, out.stride(1),
         lse, **common, units=units, CONSUMERS=cfg.consumers, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        STAGES=cfg.stages,
+        Q_STAGES=cfg.q_stages, K_STAGES=cfg.stages, V_STAGES=cfg.v_stages or cfg.stages,
     )  # fmt: skip
 
 

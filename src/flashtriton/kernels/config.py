@@ -62,9 +62,11 @@ class HopperForwardConfig:
 
     block_m: int  # query rows per consumer warpgroup
     block_n: int  # keys per K/V tile
-    stages: int  # K/V tiles in flight (slots of the shared-memory ring)
+    stages: int  # K/V tiles in flight (slots of the shared-memory ring; the forward's K ring)
     stage_o: bool = False  # the forward's O through shared memory and a TMA store (consumers * block_m * D more of it)
     consumers: int = 2  # the forward's consumer warpgroups (2 or 3; the backward's dQ kernel has two)
+    v_stages: int | None = None  # the forward's V ring, if smaller than its K ring (V_j is read a step after K_j)
+    q_stages: int = 1  # the forward's Q tiles per consumer warpgroup (2: the next tile's Q loads a tile ahead)
 
     @property
     def rows(self) -> int:
@@ -144,16 +146,23 @@ _SM90_SHORT_BACKWARD = {128: BackwardConfig(32, 128, 128, 64, 8, 2, 3, tma=True)
 # (Gluon only from a span of 2048 keys) is gone.
 # O through shared memory and a TMA store (stage_o; NOTES 34), forward kernel ms, same run, two repeats: D=64
 # N=512 0.207-0.208 -> 0.198-0.199, 1k 0.340 -> 0.328-0.331, 2k 0.635-0.641 -> 0.621-0.627, causal 512 0.161-0.162
-# -> 0.155-0.156, causal 2k 0.367-0.370 -> 0.354-0.358, 16k level. D=128 has no room for it beside three slots, and
-# two slots lose more than it gains (N=512 0.156 -> 0.170, 16k 3.45 -> 4.29).
-_SM90_HOPPER_FORWARD = {64: HopperForwardConfig(64, 128, 3, stage_o=True), 128: HopperForwardConfig(64, 128, 3)}
+# -> 0.155-0.156, causal 2k 0.367-0.370 -> 0.354-0.358, 16k level. D=128 makes room for it with a V ring of two
+# slots beside a K ring of three (NOTES 37; the split alone is level), forward kernel ms against three of each
+# without it, same run: N=512 0.153 -> 0.135 (cuDNN 0.134), 1k 0.259 -> 0.240, 2k 0.467 -> 0.450, 16k 3.42 -> 3.39,
+# causal 512 0.132 -> 0.117, 1k 0.174 -> 0.160, 4k 0.507 -> 0.471, 16k 1.85 -> 1.79. A second Q tile per
+# warpgroup (its next tile's Q loads a tile ahead) in that room instead: 1-2%. D=64 has room for it beside
+# the staged O: N=512 0.189 -> 0.183, causal 1k 0.222 -> 0.218, longer spans level.
+_SM90_HOPPER_FORWARD = {
+    64: HopperForwardConfig(64, 128, 3, stage_o=True, q_stages=2),
+    128: HopperForwardConfig(64, 128, 3, stage_o=True, v_stages=2),
+}
 # Unbanded (no causal or window bound) spans of WIDE_SPAN keys or more, by head dim: D=64 with three consumer
 # warpgroups (NOTES 36), forward kernel ms against two, same run: N=2k 0.627-0.636 -> 0.606-0.613, 4k 1.23-1.25 ->
 # 1.16, 8k 2.43-2.45 -> 2.18, 16k 4.89 -> 4.33-4.42; level at 1k, 3% slower at 512 (a 192-row tile's third
 # warpgroup idles on the last tile of a head); causal 1.54-1.77x slower at N <= 1k, level from 8k (the three
-# warpgroups' tiles see different numbers of keys). D=128 has neither the registers (296 B of spill) nor the
-# shared memory for a third.
-_SM90_HOPPER_FORWARD_WIDE = {64: HopperForwardConfig(64, 128, 3, stage_o=True, consumers=3)}
+# warpgroups' tiles see different numbers of keys). With two Q tiles each (NOTES 37): 16k 4.38 -> 4.25, 4k 1.19
+# -> 1.15. D=128 has neither the registers (296 B of spill) nor the shared memory for a third.
+_SM90_HOPPER_FORWARD_WIDE = {64: HopperForwardConfig(64, 128, 3, stage_o=True, consumers=3, q_stages=2)}
 WIDE_SPAN = 2048
 
 # The Gluon backward on sm90, by head dim (H200, backward kernel times, B * N = 16k, H * D = 2048, same run):

@@ -223,49 +223,86 @@ def _forward_tile(u, r, n_m, N, H, CU_SEQLENS, window_left, CAUSAL: gl.constexpr
 
 
 @gluon.jit
-def _forward_producer(q_desc, k_desc, v_desc, ring, N, H, GROUP, CU_SEQLENS, units, n_m, window_left,
-                      CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, CONSUMERS: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """For each of this program's tiles: each warpgroup's Q tile once that warpgroup is done with its last
-    (``q_empty``; rows past a sequence's end too, which that warpgroup skips), then the (K, V) tiles,
-    continuing around the ring."""
-    q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready, empty = ring
+def _fill(desc, coord, ring, i):
+    """Loads desc's tile at coord into position i of ring = (tiles, ready, empty), once its consumers have
+    released what the position held a lap before (a fresh barrier counts as having completed the phase before
+    its first, so the first lap passes)."""
+    bufs, ready, empty = ring
+    n: gl.constexpr = bufs.shape[0]
+    s = i % n
+    mbarrier.wait(empty.index(s), ((i // n) & 1) ^ 1)
+    mbarrier.expect(ready.index(s), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, coord, ready.index(s), bufs.index(s))
+
+
+@gluon.jit
+def _take(ring, i):
+    """Position i's tile of ring = (tiles, ready, empty), once it has landed."""
+    bufs, ready, _ = ring
+    n: gl.constexpr = bufs.shape[0]
+    mbarrier.wait(ready.index(i % n), (i // n) & 1)
+    return bufs.index(i % n)
+
+
+@gluon.jit
+def _give(ring, i):
+    """This consumer is done with position i of ring."""
+    empty = ring[2]
+    mbarrier.arrive(empty.index(i % empty.shape[0]), count=1)
+
+
+@gluon.jit
+def _ring(bufs, consumers: gl.constexpr):
+    """(tiles, ready, empty): the tiles bufs as a ring that ``consumers`` warpgroups read."""
+    return bufs, _barriers(bufs.shape[0], 1), _barriers(bufs.shape[0], consumers)
+
+
+@gluon.jit
+def _forward_producer(q_desc, k_desc, v_desc, q_rings, k_ring, v_ring, N, H, GROUP, CU_SEQLENS, units, n_m,
+                      window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):  # fmt: skip
+    """For each of this program's tiles: each warpgroup's Q tile (into that warpgroup's ring of Q tiles; rows
+    past a sequence's end too, which that warpgroup skips), then the tile's K and V tiles into their rings, K_j
+    with V_{j-1} (the consumers read V_j a step after K_j)."""
     it = 0
     done = 0
     for u in range(gl.program_id(0), units, gl.num_programs(0)):
         for r in range(1 + CAUSAL):
             valid, _, h, m0, _, seq0, _, key0, n_tiles = _forward_tile(
-                u, r, n_m, N, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN, CONSUMERS * BLOCK_M, BLOCK_N
+                u, r, n_m, N, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN, len(q_rings) * BLOCK_M, BLOCK_N
             )
             if valid:
-                for w in gl.static_range(CONSUMERS):
-                    mbarrier.wait(q_empty.index(w), (done & 1) ^ 1)
-                    mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(q_desc, [seq0 + m0 + w * BLOCK_M, h * D], q_ready.index(w),
-                                                    q_bufs.index(w))  # fmt: skip
-                _stream(k_desc, v_desc, k_bufs, v_bufs, ready, empty, seq0 + key0, (h // GROUP) * D, n_tiles, it,
-                        BLOCK_N, STAGES)  # fmt: skip
+                for w in gl.static_range(len(q_rings)):
+                    _fill(q_desc, [seq0 + m0 + w * BLOCK_M, h * D], q_rings[w], done)
+                kv_row = seq0 + key0
+                col = (h // GROUP) * D
+                _fill(k_desc, [kv_row, col], k_ring, it)
+                for j in range(1, n_tiles):
+                    _fill(k_desc, [kv_row + j * BLOCK_N, col], k_ring, it + j)
+                    _fill(v_desc, [kv_row + (j - 1) * BLOCK_N, col], v_ring, it + j - 1)
+                _fill(v_desc, [kv_row + (n_tiles - 1) * BLOCK_N, col], v_ring, it + n_tiles - 1)
                 it += n_tiles
                 done += 1
 
 
 @gluon.jit
-def _pass(ready, empty, it, n, STAGES: gl.constexpr):
-    """Lets n ring slots from position it on go by unread: waits for each to fill, then releases it."""
+def _pass(k_ring, v_ring, it, n):
+    """Lets n K/V positions from it on go by unread: waits for each tile to land, then releases it."""
     for j in range(n):
-        s = (it + j) % STAGES
-        mbarrier.wait(ready.index(s), ((it + j) // STAGES) & 1)
-        mbarrier.arrive(empty.index(s), count=1)
+        _take(k_ring, it + j)
+        _give(k_ring, it + j)
+        _take(v_ring, it + j)
+        _give(v_ring, it + j)
 
 
 @gluon.jit
-def _attend(q_smem, k_bufs, v_bufs, q_free, ready, empty, it, first_row, key0, n_tiles, qk_scale, window_left,
-            CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-            STAGES: gl.constexpr):  # fmt: skip
-    """One warpgroup's query rows (Q in q_smem) against n_tiles (K, V) tiles from ring position it on:
-    (O unnormalised, row max, row sum). Tile j's S = Q K_j^T is issued together with tile j-1's
-    O += P V_{j-1}, and the softmax of S_j comes between the waits for the two (which ptxas moves to before
-    the exps: benchmarks/NOTES.md 26). q_free is arrived on once every S is done, before the last P V."""
+def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, qk_scale, window_left,
+            CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):  # fmt: skip
+    """One warpgroup's query rows (Q in q_smem, position q_at of q_ring) against n_tiles (K, V) tiles from
+    position it of their rings on: (O unnormalised, row max, row sum). Tile j's S = Q K_j^T is issued together
+    with tile j-1's O += P V_{j-1}, and the softmax of S_j comes between the waits for the two (which ptxas
+    moves to before the exps: benchmarks/NOTES.md 26). K_j goes back once S_j is done, V_j once P V_j is, and
+    Q once every S is, before the last P V."""
     BLOCK_M: gl.constexpr = q_smem.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(D)
@@ -275,56 +312,53 @@ def _attend(q_smem, k_bufs, v_bufs, q_free, ready, empty, it, first_row, key0, n
 
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     rows = first_row + gl.arange(0, BLOCK_M, rows_s)
-    s = it % STAGES
-    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    scores = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    scores = warpgroup_mma_wait(0, deps=(scores, q_smem))[0]
+    k = _take(k_ring, it)
+    scores = warpgroup_mma(q_smem, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    scores = warpgroup_mma_wait(0, deps=(scores, q_smem, k))[0]
+    _give(k_ring, it)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows_s)
     p, m_i, l_i, alpha = _online_softmax(scores, m_i, gl.zeros([BLOCK_M], gl.float32, rows_s), rows, first_row, key0,
                                          qk_scale, window_left, CAUSAL, LEFT, BLOCK_N)  # fmt: skip
     p = gl.convert_layout(p.to(dtype), p_layout)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
     for j in range(1, n_tiles):
-        s = (it + j) % STAGES
-        prev = (it + j - 1) % STAGES
-        mbarrier.wait(ready.index(s), ((it + j) // STAGES) & 1)
-        scores = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        acc = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
-        scores = warpgroup_mma_wait(1, deps=(scores, q_smem))[0]  # S_j done; P V_{j-1} may still run
+        k = _take(k_ring, it + j)
+        scores = warpgroup_mma(q_smem, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        v = _take(v_ring, it + j - 1)
+        acc = warpgroup_mma(p, v, acc, is_async=True)
+        scores = warpgroup_mma_wait(1, deps=(scores, q_smem, k))[0]  # S_j done; P V_{j-1} may still run
+        _give(k_ring, it + j)
         p_next, m_i, l_i, alpha = _online_softmax(
             scores, m_i, l_i, rows, first_row, key0 + j * BLOCK_N, qk_scale, window_left, CAUSAL, LEFT, BLOCK_N
         )
-        acc = warpgroup_mma_wait(0, deps=(acc, p, v_bufs))[0]
-        mbarrier.arrive(empty.index(prev), count=1)
+        acc = warpgroup_mma_wait(0, deps=(acc, p, v))[0]
+        _give(v_ring, it + j - 1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         p = gl.convert_layout(p_next.to(dtype), p_layout)
-    mbarrier.arrive(q_free, count=1)
-    last = (it + n_tiles - 1) % STAGES
-    acc = warpgroup_mma(p, v_bufs.index(last), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc, v_bufs))[0]
-    mbarrier.arrive(empty.index(last), count=1)
+    _give(q_ring, q_at)
+    v = _take(v_ring, it + n_tiles - 1)
+    acc = warpgroup_mma(p, v, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc, v))[0]
+    _give(v_ring, it + n_tiles - 1)
     return acc, m_i, l_i
 
 
 @gluon.jit
-def _forward_consumer(outputs, ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left, W: gl.constexpr,
-                      CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, STAGE_O: gl.constexpr,
-                      CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                      STAGES: gl.constexpr):  # fmt: skip
-    """Warpgroup W's BLOCK_M query rows of each of this program's tiles. It multiplies only the key tiles its
-    rows see (causal, a tile of three warpgroups' rows streams more than its first warpgroup needs) and lets
-    the others go by, as it does a whole tile whose rows start past the sequence's end. Q's buffer goes back to
-    the producer before the last P V, so the next tile's Q loads during this one's epilogue. The epilogue stores
-    O straight from registers or, STAGE_O with o_store = (o_desc, a tile per warpgroup), through shared
-    memory and a TMA store that runs on while the next tile starts (a register store writes each row's
-    columns in 16-byte pieces, 8 rows per instruction: about 1.5 us per tile at D=128, NOTES 34).
-    outputs: (O, its row stride, o_store, LSE, LSE's batch and head strides); ring: the kernel's shared memory."""
+def _forward_consumer(outputs, q_ring, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
+                      W: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr,
+                      CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):  # fmt: skip
+    """Warpgroup W's rows of each of this program's tiles (its Q tiles come through q_ring). It multiplies only
+    the key tiles its rows see (causal, a tile of three warpgroups' rows streams more than its first warpgroup
+    needs) and lets the others go by, as it does a whole tile whose rows start past the sequence's end. The
+    epilogue stores O straight from registers or, with outputs' o_store = (o_desc, a tile per warpgroup),
+    through shared memory and a TMA store that runs on while the next tile starts (a register store writes each
+    row's columns in 16-byte pieces, 8 rows per instruction: about 1.5 us per tile at D=128, NOTES 34).
+    outputs: (O, its row stride, o_store, LSE, LSE's batch and head strides)."""
     O, stride_o, o_store, LSE, stride_lb, stride_lh = outputs
-    q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready, empty = ring
+    BLOCK_M: gl.constexpr = q_ring[0].shape[1]
     o_layout: gl.constexpr = _mma_layout(D)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     rows_s: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N))
-    q_smem = q_bufs.index(W)
     it = 0
     done = 0
     for u in range(gl.program_id(0), units, gl.num_programs(0)):
@@ -339,16 +373,15 @@ def _forward_consumer(outputs, ring, N, H, CU_SEQLENS, units, n_m, qk_scale, win
                 if first_row >= n:
                     lead = n_tiles
                     n_own = 0
-                mbarrier.wait(q_ready.index(W), done & 1)
-                _pass(ready, empty, it, lead, STAGES)
+                q_smem = _take(q_ring, done)
+                _pass(k_ring, v_ring, it, lead)
                 if n_own > 0:
-                    acc, m_i, l_i = _attend(q_smem, k_bufs, v_bufs, q_empty.index(W), ready, empty, it + lead,
-                                            first_row, own0, n_own, qk_scale, window_left, CAUSAL, LEFT, BLOCK_N, D,
-                                            STAGES)  # fmt: skip
+                    acc, m_i, l_i = _attend(q_smem, q_ring, k_ring, v_ring, done, it + lead, first_row, own0, n_own,
+                                            qk_scale, window_left, CAUSAL, LEFT, BLOCK_N, D)  # fmt: skip
                     acc = acc / gl.expand_dims(gl.convert_layout(l_i, rows_o), 1)
                     lse = LSE + b * stride_lb + h * stride_lh + lse0 + first_row
                     gl.store(lse + gl.arange(0, BLOCK_M, rows_s), (m_i + gl.log2(l_i)) * LN2)
-                    if STAGE_O:
+                    if len(o_store) > 0:
                         o_desc, o_bufs = o_store
                         o_smem = o_bufs.index(W)
                         tma.store_wait(0)  # the previous tile's store has read o_smem
@@ -361,11 +394,11 @@ def _forward_consumer(outputs, ring, N, H, CU_SEQLENS, units, n_m, qk_scale, win
                         cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
                         gl.store(out + gl.expand_dims(cols, 0), acc.to(q_smem.dtype))
                 else:
-                    mbarrier.arrive(q_empty.index(W), count=1)
-                _pass(ready, empty, it + lead + n_own, n_tiles - lead - n_own, STAGES)
+                    _give(q_ring, done)
+                _pass(k_ring, v_ring, it + lead + n_own, n_tiles - lead - n_own)
                 it += n_tiles
                 done += 1
-    if STAGE_O:
+    if len(o_store) > 0:
         tma.store_wait(0)
 
 
@@ -373,51 +406,52 @@ def _forward_consumer(outputs, ring, N, H, CU_SEQLENS, units, n_m, qk_scale, win
 def attention_forward_sm90_kernel(
     q_desc, k_desc, v_desc, o_desc, O, stride_o, LSE, stride_lb, stride_lh, N, H, GROUP, qk_scale, window_left,
     CU_SEQLENS, units, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, CONSUMERS: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, Q_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
+    V_STAGES: gl.constexpr,
 ):  # fmt: skip
     """Persistent: program i of P runs units i, i + P, ... of ``units`` (_forward_tile), a tile being
     CONSUMERS * BLOCK_M query rows of one head (2 or 3 consumer warpgroups of BLOCK_M rows each).
     q/k/v_desc: (rows, heads * D) views, blocks of [rows, D]: B sequences of N rows, or with VARLEN sequence b
     at rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] (N the longest), each a whole number of BLOCK_M and of BLOCK_N
     rows; O: the output, rows stride_o apart in that view, stored from registers, or through o_desc (the same
-    view, blocks of [BLOCK_M, D]) when that is not None.
+    view, blocks of [BLOCK_M, D]) when that is not None. Rings of shared memory: Q_STAGES tiles per consumer
+    warpgroup, K_STAGES K tiles and V_STAGES V tiles (V_j is read a step after K_j, so it can do with fewer).
     CAUSAL: query i sees keys j <= i, and with LEFT only j >= i - window_left."""
-    k_bufs, v_bufs, ready, empty = _shared(k_desc, v_desc, STAGES, CONSUMERS)
-    q_bufs = _tiles(q_desc, CONSUMERS)
-    q_ready = _barriers(CONSUMERS, 1)  # per consumer warpgroup: its Q tile has landed
-    q_empty = _barriers(CONSUMERS, 1)  # per consumer warpgroup: it has done every S = Q K^T of its tile
+    k_ring = _ring(_tiles(k_desc, K_STAGES), CONSUMERS)
+    v_ring = _ring(_tiles(v_desc, V_STAGES), CONSUMERS)
+    q0 = _ring(_tiles(q_desc, Q_STAGES), 1)
+    q1 = _ring(_tiles(q_desc, Q_STAGES), 1)
     n_m = gl.cdiv(N, CONSUMERS * BLOCK_M)
-    STAGE_O: gl.constexpr = o_desc is not None
     o_store = ()  # (a worker partition's arguments cannot be None)
-    if STAGE_O:
+    if o_desc is not None:
         o_store = (o_desc, _tiles(o_desc, CONSUMERS))
-    ring = (q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready, empty)
     outputs = (O, stride_o, o_store, LSE, stride_lb, stride_lh)
     # 64K registers per SM: 232 per thread for each of two consumer warpgroups, 160 for three
     if CONSUMERS == 2:
         gl.warp_specialize(
             [
-                (_forward_consumer, (outputs, ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left, 0, CAUSAL,
-                                     LEFT, VARLEN, STAGE_O, CONSUMERS, BLOCK_M, BLOCK_N, D, STAGES)),
-                (_forward_consumer, (outputs, ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left, 1, CAUSAL,
-                                     LEFT, VARLEN, STAGE_O, CONSUMERS, BLOCK_M, BLOCK_N, D, STAGES)),
-                (_forward_producer, (q_desc, k_desc, v_desc, ring, N, H, GROUP, CU_SEQLENS, units, n_m, window_left,
-                                     CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_M, BLOCK_N, D, STAGES)),
+                (_forward_consumer, (outputs, q0, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
+                                     0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D)),
+                (_forward_consumer, (outputs, q1, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
+                                     1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D)),
+                (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1), k_ring, v_ring, N, H, GROUP, CU_SEQLENS, units,
+                                     n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N, D)),
             ],
             [4, 1],
             [232, 24],
         )  # fmt: skip
     else:
+        q2 = _ring(_tiles(q_desc, Q_STAGES), 1)
         gl.warp_specialize(
             [
-                (_forward_consumer, (outputs, ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left, 0, CAUSAL,
-                                     LEFT, VARLEN, STAGE_O, CONSUMERS, BLOCK_M, BLOCK_N, D, STAGES)),
-                (_forward_consumer, (outputs, ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left, 1, CAUSAL,
-                                     LEFT, VARLEN, STAGE_O, CONSUMERS, BLOCK_M, BLOCK_N, D, STAGES)),
-                (_forward_consumer, (outputs, ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left, 2, CAUSAL,
-                                     LEFT, VARLEN, STAGE_O, CONSUMERS, BLOCK_M, BLOCK_N, D, STAGES)),
-                (_forward_producer, (q_desc, k_desc, v_desc, ring, N, H, GROUP, CU_SEQLENS, units, n_m, window_left,
-                                     CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_M, BLOCK_N, D, STAGES)),
+                (_forward_consumer, (outputs, q0, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
+                                     0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D)),
+                (_forward_consumer, (outputs, q1, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
+                                     1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D)),
+                (_forward_consumer, (outputs, q2, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
+                                     2, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D)),
+                (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1, q2), k_ring, v_ring, N, H, GROUP, CU_SEQLENS,
+                                     units, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N, D)),
             ],
             [4, 4, 1],
             [160, 160, 24],
