@@ -48,6 +48,9 @@ SHAPES = {
         Shape(1, 4096, 4096, 2, 1, 128),  # spans of 2048+ keys: the sm90 fused backward (atomic dQ)
         Shape(2, 2048, 2048, 4, 2, 64),  # batch rows on the fused backward and the D=64 staged O store
         Shape(2, 4096, 4096, 2, 1, 128),  # batch rows on the causal fused backward
+        Shape(3, 384, 384, 4, 2, 128),  # causal spans of 256 keys or fewer: the sm90 forward's 64-key tiles
+        Shape(2, 512, 512, 4, 1, 64),
+        Shape(1, 8192, 8192, 2, 1, 64),  # causal spans of 4096+: three consumer warpgroups, the last with no rows
     ],
 }
 

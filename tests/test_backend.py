@@ -84,6 +84,12 @@ def test_hopper_scope():
     assert forward("sm90", 64, torch.bfloat16, span=wide - 1).consumers == 2
     assert forward("sm90", 64, torch.bfloat16, span=wide, banded=True).consumers == 2
     assert forward("sm90", 128, torch.bfloat16, span=wide).consumers == 2
+    assert forward("sm90", 64, torch.bfloat16, span=config.WIDE_BAND_SPAN, banded=True).consumers == 3
+    # 64-key tiles for short banded spans only
+    short = config.SHORT_BAND_SPAN
+    assert forward("sm90", 128, torch.bfloat16, span=short, banded=True).block_n == 64
+    assert forward("sm90", 128, torch.bfloat16, span=short + 1, banded=True).block_n == 128
+    assert forward("sm90", 128, torch.bfloat16, span=short).block_n == 128
     assert config.hopper_backward_config("sm90", 128, torch.bfloat16) is not None
     assert config.hopper_backward_config("sm90", 64, torch.bfloat16) is not None
     assert config.hopper_backward_config("sm90", 256, torch.bfloat16) is None

@@ -156,14 +156,24 @@ _SM90_HOPPER_FORWARD = {
     64: HopperForwardConfig(64, 128, 3, stage_o=True, q_stages=2),
     128: HopperForwardConfig(64, 128, 3, stage_o=True, v_stages=2),
 }
-# Unbanded (no causal or window bound) spans of WIDE_SPAN keys or more, by head dim: D=64 with three consumer
-# warpgroups (NOTES 36), forward kernel ms against two, same run: N=2k 0.627-0.636 -> 0.606-0.613, 4k 1.23-1.25 ->
-# 1.16, 8k 2.43-2.45 -> 2.18, 16k 4.89 -> 4.33-4.42; level at 1k, 3% slower at 512 (a 192-row tile's third
-# warpgroup idles on the last tile of a head); causal 1.54-1.77x slower at N <= 1k, level from 8k (the three
-# warpgroups' tiles see different numbers of keys). With two Q tiles each (NOTES 37): 16k 4.38 -> 4.25, 4k 1.19
-# -> 1.15. D=128 has neither the registers (296 B of spill) nor the shared memory for a third.
+# Spans of WIDE_SPAN keys or more (WIDE_BAND_SPAN under a causal or window bound), by head dim: D=64 with three
+# consumer warpgroups (NOTES 36), forward kernel ms against two, same run: N=2k 0.627-0.636 -> 0.606-0.613, 4k
+# 1.23-1.25 -> 1.16, 8k 2.43-2.45 -> 2.18, 16k 4.89 -> 4.33-4.42; level at 1k, 3% slower at 512 (a 192-row tile's
+# third warpgroup idles on the last tile of a head); causal 1.54-1.77x slower at N <= 1k, 6% at 4k (a causal tile's
+# warpgroups see different numbers of keys), 1-2% faster at 8k and 16k (NOTES 39). With two Q tiles each (NOTES 37):
+# 16k 4.38 -> 4.25, 4k 1.19 -> 1.15. D=128 has neither the registers (296 B of spill) nor the shared memory for a
+# third.
 _SM90_HOPPER_FORWARD_WIDE = {64: HopperForwardConfig(64, 128, 3, stage_o=True, consumers=3, q_stages=2)}
 WIDE_SPAN = 2048
+WIDE_BAND_SPAN = 4096
+# Banded spans of SHORT_BAND_SPAN keys or fewer (causal N=512): 64-key tiles, whose diagonal tiles waste half as
+# much (NOTES 39), forward kernel ms against 128-key tiles, same run: D=64 causal 512 0.159 -> 0.141, D=128 0.117
+# -> 0.105; at causal 1k (a span of 512) they lose (D=64 0.221 -> 0.231), as they do unbanded.
+_SM90_HOPPER_FORWARD_SHORT_BAND = {
+    64: HopperForwardConfig(64, 64, 6, stage_o=True, q_stages=2),
+    128: HopperForwardConfig(64, 64, 4, stage_o=True, v_stages=3, q_stages=2),
+}
+SHORT_BAND_SPAN = 256
 
 # The Gluon backward on sm90, by head dim (H200, backward kernel times, B * N = 16k, H * D = 2048, same run):
 # D=128 dK/dV with the portable dQ: N=16k 12.59 -> 11.90 ms, causal 6.84 -> 6.53, N=4k 3.30 -> 3.11, 1k 1.00 -> 0.92
@@ -181,7 +191,12 @@ WIDE_SPAN = 2048
 # D=64 takes the same kernels since (whole backward ms against the portable pair, same run): 16k 13.14-13.28
 # against 14.20-14.48, causal 6.71-6.84 against 7.36-7.47, 4k 3.44-3.49 against 3.76-3.80, 2k 1.82-1.84 against
 # 2.02-2.06; below the fused span the Gluon pair: 512 0.63 against 0.68, causal 1k 0.68 against 0.70-0.71.
-_SM90_HOPPER_BACKWARD = {d: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3, 2048) for d in (64, 128)}
+# D=64 takes the fused kernel from a span of 1024 (NOTES 39), whole backward ms against the pair, three repeats: N=1k
+# 1.09-1.13 -> 1.036-1.038, causal 2k 1.157-1.161 -> 1.098-1.113; from 512 level (N=512, causal 1k).
+_SM90_HOPPER_BACKWARD = {
+    64: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3, 1024),
+    128: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3, 2048),
+}
 
 # Other CUDA GPUs (smaller shared memory than Hopper): conservative tiles.
 _CUDA_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
@@ -248,11 +263,13 @@ def hopper_forward_config(
 ) -> HopperForwardConfig | None:
     """The Gluon forward's config, or None where it does not run (forward_config's kernel does). ``banded``: a
     causal or window bound; ``span``: keys per query row (varlen: the longest sequence's)."""
-    if arch != "sm90" or dtype == torch.float32:
+    if arch != "sm90" or dtype == torch.float32 or head_dim not in _SM90_HOPPER_FORWARD:
         return None
-    if not banded and span >= WIDE_SPAN and head_dim in _SM90_HOPPER_FORWARD_WIDE:
-        return _SM90_HOPPER_FORWARD_WIDE[head_dim]
-    return _SM90_HOPPER_FORWARD.get(head_dim)
+    if banded and span <= SHORT_BAND_SPAN:
+        return _SM90_HOPPER_FORWARD_SHORT_BAND.get(head_dim, _SM90_HOPPER_FORWARD[head_dim])
+    if span >= (WIDE_BAND_SPAN if banded else WIDE_SPAN):
+        return _SM90_HOPPER_FORWARD_WIDE.get(head_dim, _SM90_HOPPER_FORWARD[head_dim])
+    return _SM90_HOPPER_FORWARD[head_dim]
 
 
 def hopper_backward_config(arch: str, head_dim: int, dtype: torch.dtype) -> HopperBackwardConfig | None:

@@ -4,17 +4,18 @@ The portable Triton kernels (forward.py, backward.py) run one 8-warp program per
 softmax (or dS) arithmetic between its matrix multiplies, so the tensor cores idle meanwhile
 (benchmarks/NOTES.md, ncu). Here a program has three partitions:
 
-  producer   1 warp: streams tiles through TMA into a ring of STAGES shared-memory slots (``ready[s]``
-             says a slot is full, ``empty[s]`` that both consumers are done with it)
-  consumers  2 warpgroups with a tile of their own each, not synchronised with each other (except the
-             fused backward's per-step dS exchange), so the SM can run one's arithmetic beside the other's
-             MMAs (wgmma); explicit ping-pong turns measured no faster (benchmarks/NOTES.md 25).
+  producer   1 warp: streams tiles through TMA into rings of shared-memory slots (``ready[s]`` says a
+             slot is full, ``empty[s]`` that every consumer is done with it)
+  consumers  2 warpgroups (the forward: 2 or 3) with a tile of their own each, not synchronised with each
+             other (except the fused backward's per-step dS exchange), so the SM can run one's arithmetic
+             beside another's MMAs (wgmma); explicit ping-pong turns measured no faster (benchmarks/NOTES.md 25).
 
 Forward: persistent, one program per SM looping over query tiles. The consumers own BLOCK_M query rows
 each and stream K/V tiles: S = Q K^T (both from shared memory), P = exp2(S * qk_scale - m), O += P V (P
 from registers). S_j is issued with P_{j-1} V_{j-1} and waited for alone, so that the softmax of tile j
-could run beside that P V; ptxas places the second wait before the exps all the same (SASS, NOTES 26). The
-producer loads the next tile's Q and K/V while the consumers finish the current one.
+could run beside that P V; ptxas places the second wait before the exps all the same (SASS, NOTES 26). K and
+V have rings of their own (V_j is read a step after K_j and can do with fewer slots), and each consumer a ring
+of Q tiles, so the producer loads the next tile's Q and K/V while the consumers finish the current one.
 dK/dV: the consumers own BLOCK_N keys each and stream the (Q, dO) tiles of every query head of their GQA
 group, with those rows' LSE and delta (through TMA as well, so the per-step reads are shared-memory loads
 issued beside the MMAs): S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q. Fused (the default where
@@ -27,7 +28,7 @@ no atomics, so that backward is bitwise reproducible.
 Scope (triton_backend dispatches everything else to the portable kernels): bf16/fp16, head dims with
 a config row, no softcap / ALiBi / dropout / block mask / score_mod; no mask, causal, or a causal sliding
 window; self-attention (seqlen_q == seqlen_k, or the same cu_seqlens) whose every sequence is a whole
-number of the program's rows; TMA-readable layouts.
+number of the kernels' rows (config's ``rows``); TMA-readable layouts.
 """
 
 import triton
