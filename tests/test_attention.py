@@ -50,6 +50,7 @@ SHAPES = {
         Shape(2, 4096, 4096, 2, 1, 128),  # batch rows on the causal fused backward
         Shape(3, 384, 384, 4, 2, 128),  # causal spans of 256 keys or fewer: the sm90 forward's 64-key tiles
         Shape(2, 512, 512, 4, 1, 64),
+        Shape(2, 320, 320, 4, 2, 64),  # causal: 64-row multiples, a 128-row tile whose second warpgroup has no rows
         Shape(1, 8192, 8192, 2, 1, 64),  # causal spans of 4096+: three consumer warpgroups, the last with no rows
     ],
 }
