@@ -136,11 +136,11 @@ def _barriers(n: gl.constexpr, count: gl.constexpr):
 
 
 @gluon.jit
-def _shared(a_desc, b_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
-    """A program's ring: STAGES shared-memory slots, each for one a_desc and one b_desc tile, with barriers
-    ``ready[s]`` (the producer's loads into slot s have landed) and ``empty[s]`` (every one of the CONSUMERS
-    warpgroups is done with slot s)."""
-    return _tiles(a_desc, STAGES), _tiles(b_desc, STAGES), _barriers(STAGES, 1), _barriers(STAGES, CONSUMERS)
+def _shared(a_desc, b_desc, STAGES: gl.constexpr):
+    """The backward kernels' ring: STAGES shared-memory slots, each for one a_desc and one b_desc tile, with
+    barriers ``ready[s]`` (the producer's loads into slot s have landed) and ``empty[s]`` (both consumer
+    warpgroups are done with slot s: two arrivals)."""
+    return _tiles(a_desc, STAGES), _tiles(b_desc, STAGES), _barriers(STAGES, 1), _barriers(STAGES, 2)
 
 
 @gluon.jit
@@ -592,7 +592,7 @@ def attention_backward_dkdv_sm90_kernel(
     kv_row = seq0 + n0
     kv_col = hk * D
 
-    q_bufs, do_bufs, ready, empty = _shared(q_desc, do_desc, STAGES, 2)
+    q_bufs, do_bufs, ready, empty = _shared(q_desc, do_desc, STAGES)
     kv_bar = _barriers(1, 1).index(0)  # the resident K and V tiles have landed
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
@@ -699,7 +699,7 @@ def attention_backward_dq_sm90_kernel(
     q_col = h * D
     q_row = seq0 + m0
 
-    k_bufs, v_bufs, ready, empty = _shared(k_desc, v_desc, STAGES, 2)
+    k_bufs, v_bufs, ready, empty = _shared(k_desc, v_desc, STAGES)
     q_bar = _barriers(1, 1).index(0)  # the resident Q and dO tiles have landed
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
     q_bufs = _resident(q_desc, q_bar, q_row, q_col)
