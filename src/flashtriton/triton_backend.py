@@ -270,7 +270,8 @@ def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams,
         _gluon_view(dout, cfg.block_m), _gluon_view(dk, cfg.block_n), _gluon_view(dv, cfg.block_n),
         _gluon_view(dq_sums, cfg.block_m, q.shape[3] // 2) if fused else None, _gluon_rows(lse, cfg.block_m),
         _gluon_rows(delta, cfg.block_m), softmax_scale=p.softmax_scale, **common,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, DQ_LATE=cfg.dq_late,
+        READ_AHEAD=cfg.read_ahead,
     )  # fmt: skip
 
 

@@ -84,6 +84,8 @@ class HopperBackwardConfig:
     block_n: int  # dK/dV: keys per consumer warpgroup; a program has two
     stages: int  # dK/dV: (Q, dO) tiles in flight; fused, its dS and dQ tiles take 64 KB more (D=128: 3 fit)
     fused_span: int  # the fused kernel from this span on (triton_backend._span; varlen: the longest sequence's)
+    dq_late: bool = False  # fused: a step's dQ multiply is issued beside the next step's S^T and dP^T
+    read_ahead: bool = False  # dK/dV: a step's LSE and delta are read before its wgmmas are issued (more registers)
 
     @property
     def rows(self) -> int:
@@ -193,8 +195,14 @@ SHORT_BAND_SPAN = 256
 # 2.02-2.06; below the fused span the Gluon pair: 512 0.63 against 0.68, causal 1k 0.68 against 0.70-0.71.
 # D=64 takes the fused kernel from a span of 1024 (NOTES 39), whole backward ms against the pair, three repeats: N=1k
 # 1.09-1.13 -> 1.036-1.038, causal 2k 1.157-1.161 -> 1.098-1.113; from 512 level (N=512, causal 1k).
+# D=64 issues each step's dQ multiply a step late and reads LSE and delta ahead of the wgmmas (NOTES 40), whole
+# backward ms, same run, two repeats, both / dq_late alone / read_ahead alone / neither: N=1k 0.888-0.902 / 1.003 /
+# 0.995 / 1.006-1.011, 4k 2.94 / 3.28-3.31 / 3.30-3.59 / 3.35-3.42, 16k 11.16-11.18 / 12.48-12.60 / 12.46-12.61 /
+# 12.66-13.10, causal 2k 0.976-0.987 / 1.064-1.073 / 1.091-1.093 / 1.105-1.113, causal 16k 6.00-6.09 / 6.50-7.00 /
+# 6.63-6.72 / 6.78-6.84. D=128 has the registers for neither (local ptxas: dq_late spills 368 B and serialises the
+# wgmmas; read_ahead adds 16-32 B of spill, 1k and causal 4k 4-5% slower).
 _SM90_HOPPER_BACKWARD = {
-    64: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3, 1024),
+    64: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3, 1024, dq_late=True, read_ahead=True),
     128: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3, 2048),
 }
 

@@ -483,23 +483,54 @@ def _dkdv_producer(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_b
 
 
 @gluon.jit
+def _dq_issue(dq_sums, k_bufs, c, zero_q, W: gl.constexpr):
+    """Once both warpgroups' dS^T of completion c of ds_ready are in ds_bufs[c % 2]: issues warpgroup W's share of
+    dQ = dS K over both warpgroups' keys (the W-th half of its columns). Returns (dQ's accumulator, the dS tiles)."""
+    _, ds_bufs, ds_ready, _ = dq_sums
+    half: gl.constexpr = zero_q.shape[1]
+    mbarrier.wait(ds_ready.index(c % 2), (c // 2) & 1)
+    ds0 = ds_bufs.index(2 * (c % 2)).permute((1, 0))
+    ds1 = ds_bufs.index(2 * (c % 2) + 1).permute((1, 0))
+    dq = warpgroup_mma(ds0, k_bufs.index(0).slice(W * half, half, dim=1), zero_q, use_acc=False, is_async=True)
+    dq = warpgroup_mma(ds1, k_bufs.index(1).slice(W * half, half, dim=1), dq, is_async=True)
+    return dq, ds0, ds1
+
+
+@gluon.jit
+def _dq_add(dq_sums, dq, coord, softmax_scale, W: gl.constexpr):
+    """dq_desc's tile at coord += dq * softmax_scale, by a TMA reduction staged in dq_bufs[W]."""
+    dq_desc, _, _, dq_bufs = dq_sums
+    dq_smem = dq_bufs.index(W)
+    tma.store_wait(0)  # the previous reduction has read dq_smem
+    dq_smem.store(dq * softmax_scale)
+    fence_async_shared()
+    _tma_add(dq_desc, coord, dq_smem)
+
+
+@gluon.jit
 def _dkdv_consumer(dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready,
                    empty, kv_row, kv_col, n0, first_query, q_row, q_col, n_steps, GROUP, qk_scale, softmax_scale,
-                   window_left, W: gl.constexpr, FUSED: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+                   window_left, W: gl.constexpr, FUSED: gl.constexpr, DQ_LATE: gl.constexpr,
+                   READ_AHEAD: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """Warpgroup W's BLOCK_N keys (rows kv_row + W * BLOCK_N on; n0 + W * BLOCK_N on in the sequence): for
     each streamed query tile, S^T = K Q^T and dP^T = V dO^T (both from shared memory), then dV += P^T dO and
     dK += dS^T Q with P^T and dS^T from registers.
 
     FUSED, with dq_sums = (dq_desc, ds_bufs, ds_ready, dq_bufs): also dQ += dS K for the tile, added into
-    dq_desc's fp32 rows by TMA reductions. Both warpgroups put their dS^T in shared memory (ds_bufs: [step
-    parity][warpgroup]; ds_ready[parity] completes when both have), and warpgroup W multiplies the dS of all
-    2 * BLOCK_N keys into the W-th half of dQ's columns, staged in dq_bufs[W]."""
+    dq_desc's fp32 rows by TMA reductions. Both warpgroups put their dS^T in shared memory (ds_bufs: [parity]
+    [warpgroup]; step i's go to parity (i + 1) % 2 and complete ds_ready's phase i + 1, a phase 0 of both
+    warpgroups' arrivals before the first step), and warpgroup W multiplies the dS of all 2 * BLOCK_N keys
+    into the W-th half of dQ's columns, staged in dq_bufs[W]. DQ_LATE: that multiply is issued a step late,
+    beside the next step's S^T and dP^T, so that a warpgroup does not wait on the other's dS while its tensor
+    cores could work (phase 0 then brings zeros for step 0 to multiply)."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     o_layout: gl.constexpr = _mma_layout(D)
     a_layout: gl.constexpr = _operand_layout(D)
     queries: gl.constexpr = gl.SliceLayout(0, s_layout)
     half: gl.constexpr = D // 2
+    LATE: gl.constexpr = FUSED and DQ_LATE
+    DQ_GROUPS: gl.constexpr = 2 if LATE else 0  # the late dQ's wgmma groups, in flight beside a step's own
     k_smem = k_bufs.index(W)
     v_smem = v_bufs.index(W)
     first_key = n0 + W * BLOCK_N
@@ -510,6 +541,13 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, q_bufs, do_bufs, l
     dk = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
     dv = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
     keys = first_key + gl.arange(0, BLOCK_N, gl.SliceLayout(1, s_layout))
+    dq_at = [q_row, q_col + W * half]  # LATE: where the dQ in flight goes (step 0's zeros: anywhere)
+    if FUSED:
+        ds_ready = dq_sums[2]
+        if LATE:
+            dq_sums[1].index(W).store(gl.zeros([BLOCK_N, BLOCK_M], dtype, s_layout))
+            fence_async_shared()
+        mbarrier.arrive(ds_ready.index(0), count=1)
     mbarrier.wait(kv_bar, 0)
     for g in range(GROUP):
         for j in range(n_steps):
@@ -520,50 +558,55 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, q_bufs, do_bufs, l
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             q = q_bufs.index(s)
             do = do_bufs.index(s)
+            if READ_AHEAD:  # before the wgmmas, whose operand reads would queue these loads behind them (NOTES 40)
+                lse2 = lse_bufs.index(s).load(queries) * LOG2E
+                delta = delta_bufs.index(s).load(queries)
             s_t = warpgroup_mma(k_smem, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             dp_t = warpgroup_mma(v_smem, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            lse2 = lse_bufs.index(s).load(queries) * LOG2E
-            s_t = warpgroup_mma_wait(1, deps=(s_t, k_smem, q))[0]
+            if LATE:  # the previous step's dQ
+                dq, ds0, ds1 = _dq_issue(dq_sums, k_bufs, it, zero_q, W)
+            if not READ_AHEAD:
+                lse2 = lse_bufs.index(s).load(queries) * LOG2E
+            s_t = warpgroup_mma_wait(1 + DQ_GROUPS, deps=(s_t, k_smem, q))[0]
             p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
             if CAUSAL:
                 # FUSED: every step, as a branch here makes ptxas serialise the fused kernel's wgmmas (C7512)
                 if FUSED or _outside_band(q0, q0 + BLOCK_M - 1, first_key, first_key + BLOCK_N - 1, window_left, LEFT):
                     p_t = _band_only(p_t, rows, keys, window_left, LEFT)
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv, is_async=True)
-            delta = delta_bufs.index(s).load(queries)
-            dp_t = warpgroup_mma_wait(1, deps=(dp_t, v_smem, do))[0]
+            if not READ_AHEAD:
+                delta = delta_bufs.index(s).load(queries)
+            dp_t = warpgroup_mma_wait(1 + DQ_GROUPS, deps=(dp_t, v_smem, do))[0]
             ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+            if FUSED:
+                # both warpgroups are past the dQ that read this parity last (they waited for the other's phase)
+                dq_sums[1].index(2 * ((it + 1) % 2) + W).store(ds_t)
             dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q, dk, is_async=True)
-            if not FUSED:
-                done = warpgroup_mma_wait(0, deps=(dk, dv, q, do))
+            if LATE:
+                # _dq_add's fence covers the dS^T store too: one wait for both to land
+                _dq_add(dq_sums, warpgroup_mma_wait(2, deps=(dq, ds0, ds1))[0], dq_at, softmax_scale, W)
+                mbarrier.arrive(ds_ready.index((it + 1) % 2), count=1)
+                dq_at = [q_row + j * BLOCK_M, q_col + g * D + W * half]
+                dk, dv = warpgroup_mma_wait(0, deps=(dk, dv, q, do))[:2]
+            elif FUSED:
+                fence_async_shared()
+                mbarrier.arrive(ds_ready.index((it + 1) % 2), count=1)
+                dq, ds0, ds1 = _dq_issue(dq_sums, k_bufs, it + 1, zero_q, W)
+                dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq, q, do, ds0, ds1))[:3]
+                _dq_add(dq_sums, dq, [q_row + j * BLOCK_M, q_col + g * D + W * half], softmax_scale, W)
             else:
-                dq_desc, ds_bufs, ds_ready, dq_bufs = dq_sums
-                b = it % 2
-                ds_bufs.index(2 * b + W).store(ds_t)
-                fence_async_shared()
-                mbarrier.arrive(ds_ready.index(b), count=1)
-                mbarrier.wait(ds_ready.index(b), (it // 2) & 1)
-                ds0 = ds_bufs.index(2 * b).permute((1, 0))
-                ds1 = ds_bufs.index(2 * b + 1).permute((1, 0))
-                dq = warpgroup_mma(ds0, k_bufs.index(0).slice(W * half, half, dim=1), zero_q, use_acc=False,
-                                   is_async=True)  # fmt: skip
-                dq = warpgroup_mma(ds1, k_bufs.index(1).slice(W * half, half, dim=1), dq, is_async=True)
-                done = warpgroup_mma_wait(0, deps=(dk, dv, dq, q, do, ds0, ds1))
-                dq_smem = dq_bufs.index(W)
-                tma.store_wait(0)  # the previous step's reduction has read dq_smem
-                dq_smem.store(done[2] * softmax_scale)
-                fence_async_shared()
-                _tma_add(dq_desc, [q_row + j * BLOCK_M, q_col + g * D + W * half], dq_smem)
-            dk = done[0]
-            dv = done[1]
+                dk, dv = warpgroup_mma_wait(0, deps=(dk, dv, q, do))[:2]
             mbarrier.arrive(empty.index(s), count=1)
 
+    steps = n_steps * GROUP
+    if LATE:  # the last step's dQ
+        dq, ds0, ds1 = _dq_issue(dq_sums, k_bufs, steps, zero_q, W)
+        _dq_add(dq_sums, warpgroup_mma_wait(0, deps=(dq, ds0, ds1))[0], dq_at, softmax_scale, W)
     # K and V are no longer read (the other warpgroup's dQ too is done with this K): their buffers stage dK
     # and dV for the TMA stores
     if FUSED:
-        ds_ready = dq_sums[2]
-        mbarrier.arrive(ds_ready.index(n_steps * GROUP % 2), count=1)
-        mbarrier.wait(ds_ready.index(n_steps * GROUP % 2), (n_steps * GROUP // 2) & 1)
+        mbarrier.arrive(ds_ready.index((steps + 1) % 2), count=1)
+        mbarrier.wait(ds_ready.index((steps + 1) % 2), ((steps + 1) // 2) & 1)
     _store(dk_desc, dk * softmax_scale, k_smem, kv_row + W * BLOCK_N, kv_col)
     _store(dv_desc, dv, v_smem, kv_row + W * BLOCK_N, kv_col)
 
@@ -573,7 +616,7 @@ def attention_backward_dkdv_sm90_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc, stride_lb, stride_lh, N, H,
     GROUP, qk_scale, softmax_scale, window_left, CU_SEQLENS,
     CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    D: gl.constexpr, STAGES: gl.constexpr,
+    D: gl.constexpr, STAGES: gl.constexpr, DQ_LATE: gl.constexpr, READ_AHEAD: gl.constexpr,
 ):  # fmt: skip
     """Grid (N / (2 * BLOCK_N), B * HKV): dK, dV of 2 * BLOCK_N keys of one K/V head, two consumer
     warpgroups of BLOCK_N keys each, a producer warp streaming the (Q, dO, LSE, delta) tiles of the GQA
@@ -619,12 +662,12 @@ def attention_backward_dkdv_sm90_kernel(
         [
             (_dkdv_consumer, (dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs,
                               kv_bar, ready, empty, kv_row, kv_col, n0, first_query, q_row, h0 * D, n_steps, GROUP,
-                              qk_scale, softmax_scale, window_left, 0, FUSED, CAUSAL, LEFT, BLOCK_M, BLOCK_N, D,
-                              STAGES)),
+                              qk_scale, softmax_scale, window_left, 0, FUSED, DQ_LATE, READ_AHEAD, CAUSAL, LEFT,
+                              BLOCK_M, BLOCK_N, D, STAGES)),
             (_dkdv_consumer, (dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs,
                               kv_bar, ready, empty, kv_row, kv_col, n0, first_query, q_row, h0 * D, n_steps, GROUP,
-                              qk_scale, softmax_scale, window_left, 1, FUSED, CAUSAL, LEFT, BLOCK_M, BLOCK_N, D,
-                              STAGES)),
+                              qk_scale, softmax_scale, window_left, 1, FUSED, DQ_LATE, READ_AHEAD, CAUSAL, LEFT,
+                              BLOCK_M, BLOCK_N, D, STAGES)),
             (_dkdv_producer, (q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready,
                               empty, q_row, h0 * D, lse_row, stride_lh, n_steps, GROUP, BLOCK_M, D, STAGES)),
         ],
