@@ -200,9 +200,11 @@ SHORT_BAND_SPAN = 256
 # 0.995 / 1.006-1.011, 4k 2.94 / 3.28-3.31 / 3.30-3.59 / 3.35-3.42, 16k 11.16-11.18 / 12.48-12.60 / 12.46-12.61 /
 # 12.66-13.10, causal 2k 0.976-0.987 / 1.064-1.073 / 1.091-1.093 / 1.105-1.113, causal 16k 6.00-6.09 / 6.50-7.00 /
 # 6.63-6.72 / 6.78-6.84. D=128 has the registers for neither (local ptxas: dq_late spills 368 B and serialises the
-# wgmmas; read_ahead adds 16-32 B of spill, 1k and causal 4k 4-5% slower).
+# wgmmas; read_ahead adds 16-32 B of spill, 1k and causal 4k 4-5% slower). With both, the fused kernel wins from a span
+# of 512 (three repeats, fused from 1024 / 512 / 256): N=512 0.599-0.603 / 0.578-0.580 / 0.577-0.582, causal 1k
+# 0.642-0.645 / 0.630-0.635 / 0.630-0.672, causal 512 (span 256) 0.455-0.458 / 0.455 / 0.463.
 _SM90_HOPPER_BACKWARD = {
-    64: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3, 1024, dq_late=True, read_ahead=True),
+    64: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3, 512, dq_late=True, read_ahead=True),
     128: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3, 2048),
 }
 
