@@ -52,6 +52,8 @@ SHAPES = {
         Shape(2, 512, 512, 4, 1, 64),
         Shape(2, 320, 320, 4, 2, 64),  # causal: 64-row multiples, a 128-row tile whose second warpgroup has no rows
         Shape(1, 8192, 8192, 2, 1, 64),  # causal spans of 4096+: three consumer warpgroups, the last with no rows
+        Shape(2, 1024, 1024, 4, 2, 256),  # the sm90 Gluon forward at D=256 (the portable backward)
+        Shape(2, 320, 320, 2, 1, 256),  # and its causal 64-key tiles, a tile whose second warpgroup has no rows
     ],
 }
 

@@ -67,6 +67,7 @@ class HopperForwardConfig:
     consumers: int = 2  # the forward's consumer warpgroups (2 or 3; the backward's dQ kernel has two)
     v_stages: int | None = None  # the forward's V ring, if smaller than its K ring (V_j is read a step after K_j)
     q_stages: int = 1  # the forward's Q tiles per consumer warpgroup (2: the next tile's Q loads a tile ahead)
+    o_pieces: int = 1  # stage_o: O goes out in this many column pieces (1 or 2) through a tile as much narrower
 
     @property
     def rows(self) -> int:
@@ -154,9 +155,17 @@ _SM90_SHORT_BACKWARD = {128: BackwardConfig(32, 128, 128, 64, 8, 2, 3, tma=True)
 # causal 512 0.132 -> 0.117, 1k 0.174 -> 0.160, 4k 0.507 -> 0.471, 16k 1.85 -> 1.79. A second Q tile per
 # warpgroup (its next tile's Q loads a tile ahead) in that room instead: 1-2%. D=64 has room for it beside
 # the staged O: N=512 0.189 -> 0.183, causal 1k 0.222 -> 0.218, longer spans level.
+# D=256 (NOTES 44): 64-key tiles; two K and two V slots (192 KB) leave room for a staged O only in column halves,
+# one after the other through a 64 x 128 tile per warpgroup. Forward kernel ms, same run as cuDNN: against the portable
+# kernel (two repeats) N=512 0.151-0.154 against 0.196-0.198, 16k 3.15-3.23 against 4.23-4.26, causal 512 0.116-0.117
+# against 0.159-0.160; the halves against O from registers (three repeats): N=512 0.127-0.130 against 0.154-0.161
+# (cuDNN 0.132-0.144), 1k 0.227-0.238 against 0.255-0.276, 16k 3.29-3.36 against 3.22-3.26 (3.42-3.54), causal 512
+# 0.100-0.102 against 0.117-0.119 (0.101-0.107), causal 16k 1.75-1.78 against 1.83-1.85 (1.78-1.90). A third K slot
+# (224 KB, no staged O) is level causal and 5-10% slower dense; a V ring of one slot beside it is slower still.
 _SM90_HOPPER_FORWARD = {
     64: HopperForwardConfig(64, 128, 3, stage_o=True, q_stages=2),
     128: HopperForwardConfig(64, 128, 3, stage_o=True, v_stages=2),
+    256: HopperForwardConfig(64, 64, 2, stage_o=True, o_pieces=2),
 }
 # Spans of WIDE_SPAN keys or more (WIDE_BAND_SPAN under a causal or window bound), by head dim: D=64 with three
 # consumer warpgroups (NOTES 36), forward kernel ms against two, same run: N=2k 0.627-0.636 -> 0.606-0.613, 4k

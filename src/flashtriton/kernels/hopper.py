@@ -162,6 +162,16 @@ def _store(desc, value, smem, row, col):
     tma.store_wait(0)
 
 
+@gluon.jit
+def _stage_out(desc, smem, value, coord):
+    """value to desc's tile at coord through smem and a TMA store that runs on (once the previous store from smem has
+    read it)."""
+    tma.store_wait(0)
+    smem.store(value)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc, coord, smem)
+
+
 @builtin
 def _tma_add(desc, coord, src, _semantic=None):
     """desc's tile at coord += src (shared memory), by a TMA reduction (cp.reduce.async.bulk.tensor). Triton 3.6's
@@ -385,10 +395,14 @@ def _forward_consumer(outputs, q_ring, k_ring, v_ring, N, H, CU_SEQLENS, units, 
                     if len(o_store) > 0:
                         o_desc, o_bufs = o_store
                         o_smem = o_bufs.index(W)
-                        tma.store_wait(0)  # the previous tile's store has read o_smem
-                        o_smem.store(acc.to(o_desc.dtype))
-                        fence_async_shared()
-                        tma.async_copy_shared_to_global(o_desc, [seq0 + first_row, h * D], o_smem)
+                        piece: gl.constexpr = o_desc.block_type.shape[1]
+                        out = acc.to(o_desc.dtype)
+                        if piece == D:
+                            _stage_out(o_desc, o_smem, out, [seq0 + first_row, h * D])
+                        else:  # two column halves through the one tile (register bits: the split moves no data)
+                            lo, hi = gl.split(gl.permute(gl.reshape(out, [BLOCK_M, 2, piece]), (0, 2, 1)))
+                            _stage_out(o_desc, o_smem, lo, [seq0 + first_row, h * D])
+                            _stage_out(o_desc, o_smem, hi, [seq0 + first_row, h * D + piece])
                     else:
                         out = O + (seq0 + first_row).to(gl.int64) * stride_o + h * D
                         out += gl.expand_dims(gl.arange(0, BLOCK_M, rows_o), 1) * stride_o
