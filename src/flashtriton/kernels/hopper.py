@@ -234,6 +234,16 @@ def _forward_tile(u, r, n_m, N, H, CU_SEQLENS, window_left, CAUSAL: gl.constexpr
 
 
 @gluon.jit
+def _block_of(w, r, consumers: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Which BLOCK_M rows of tile r of a unit warpgroup w takes: the w-th or, where a causal tile's warpgroups see
+    different numbers of key tiles (the last the most), in the unit's short tile (r = 1) the w-th from the end, so
+    that over the unit every warpgroup sees about as many."""
+    if consumers * BLOCK_M > BLOCK_N:
+        return w + r * (consumers - 1 - 2 * w)
+    return w
+
+
+@gluon.jit
 def _fill(desc, coord, ring, i):
     """Loads desc's tile at coord into position i of ring = (tiles, ready, empty), once its consumers have
     released what the position held a lap before (a fresh barrier counts as having completed the phase before
@@ -284,7 +294,8 @@ def _forward_producer(q_desc, k_desc, v_desc, q_rings, k_ring, v_ring, N, H, GRO
             )
             if valid:
                 for w in gl.static_range(len(q_rings)):
-                    _fill(q_desc, [seq0 + m0 + w * BLOCK_M, h * D], q_rings[w], done)
+                    row = seq0 + m0 + _block_of(w, r, len(q_rings), BLOCK_M, BLOCK_N) * BLOCK_M
+                    _fill(q_desc, [row, h * D], q_rings[w], done)
                 kv_row = seq0 + key0
                 col = (h // GROUP) * D
                 _fill(k_desc, [kv_row, col], k_ring, it)
@@ -378,7 +389,7 @@ def _forward_consumer(outputs, q_ring, k_ring, v_ring, N, H, CU_SEQLENS, units, 
                 u, r, n_m, N, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN, CONSUMERS * BLOCK_M, BLOCK_N
             )
             if valid:
-                first_row = m0 + W * BLOCK_M
+                first_row = m0 + _block_of(W, r, CONSUMERS, BLOCK_M, BLOCK_N) * BLOCK_M
                 own0, n_own = _key_tiles(first_row, BLOCK_M, n, window_left, CAUSAL, LEFT, BLOCK_N)
                 lead = (own0 - key0) // BLOCK_N
                 if first_row >= n:
