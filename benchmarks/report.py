@@ -63,7 +63,8 @@ def _environment_line(payload: dict) -> str:
 
 
 def headline(payload: dict, run_link: str) -> str:
-    """Per (head dim, causal, mode): our TFLOP/s at the longest sequence, ratios there and over the sweep."""
+    """Per (head dim, causal, mode): our TFLOP/s at the longest sequence, ratios there and over the sweep; then the
+    run's plot."""
     rows: dict[tuple, list[dict]] = {}
     for r in _ours(payload):
         case = r["case"]
@@ -94,6 +95,7 @@ def headline(payload: dict, run_link: str) -> str:
                 values = [r["ratios"][p][mode] for r in results if mode in r["ratios"].get(p, {})]
                 cells.append(f"{min(values):.2f}–{max(values):.2f}" if values else "-")
             lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"![TFLOP/s against sequence length, one panel per case, peers as lines]({run_link}/bench.png)"]
     return "\n".join(lines)
 
 
