@@ -173,10 +173,9 @@ _SM90_HOPPER_FORWARD = {
 # third warpgroup idles on the last tile of a head); causal 1.54-1.77x slower at N <= 1k, 6% at 4k (a causal tile's
 # warpgroups see different numbers of keys), 1-2% faster at 8k and 16k (NOTES 39). With two Q tiles each (NOTES 37):
 # 16k 4.38 -> 4.25, 4k 1.19 -> 1.15. D=128 has neither the registers (296 B of spill) nor the shared memory for a
-# third. From a span of 1024 since (NOTES 46; three repeats): N=1k 0.3362-0.3392 -> 0.3331-0.3351; causal spans of
-# 512 to 2048 stay with two (1k 0.218 -> 0.333 with three, the causal swap of NOTES 45 notwithstanding).
+# third.
 _SM90_HOPPER_FORWARD_WIDE = {64: HopperForwardConfig(64, 128, 3, stage_o=True, consumers=3, q_stages=2)}
-WIDE_SPAN = 1024
+WIDE_SPAN = 2048
 WIDE_BAND_SPAN = 4096
 # Banded spans of SHORT_BAND_SPAN keys or fewer (causal N=512): 64-key tiles, whose diagonal tiles waste half as
 # much (NOTES 39), forward kernel ms against 128-key tiles, same run: D=64 causal 512 0.159 -> 0.141, D=128 0.117
