@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -38,7 +39,10 @@ SCHEMA = "flashtriton-bench/2"
 # Written into results.json so the file explains itself.
 DEFINITIONS = {
     "case": "batch x seqlen = 16k tokens, heads x head_dim = 2048 (CPU: batch 1, 4 heads, head_dim 64)",
-    "ms": "median milliseconds of triton.testing.do_bench (CPU: median of 3), per mode",
+    "ms": "per mode, the median over the rounds of triton.testing.do_bench's median milliseconds (CPU: median "
+    "of 3 calls)",
+    "ms_rounds": "per mode, each round's milliseconds; every round times all providers of the case, the order "
+    "rotated from round to round",
     "tflops": "FLOPs / time; FLOPs = 4*B*H*N*N*D (x0.5 causal) for fwd, x2.5 for bwd, x3.5 for fwd_bwd",
     "ratios": f"{OURS} rows only: ratios[peer][mode] = peer ms / {OURS} ms (> 1: {OURS} is faster)",
     "peak_extra_mib": "allocator peak during one fwd+bwd beyond what was allocated before it (CUDA only)",
@@ -73,6 +77,7 @@ class Result:
     case: Case
     provider: str
     ms: dict[str, float] = field(default_factory=dict)
+    ms_rounds: dict[str, list[float]] = field(default_factory=dict)
     tflops: dict[str, float] = field(default_factory=dict)
     ratios: dict[str, dict[str, float]] = field(default_factory=dict)
     peak_extra_mib: float | None = None
@@ -172,51 +177,95 @@ def _failure(exc: Exception) -> str:
     return f"{type(exc).__name__}: {first_line}"
 
 
-def run_case(case: Case, provider: str, device: torch.device, modes=MODES) -> Result:
-    result = Result(case, provider)
-    if provider in GPU_ONLY and device.type != "cuda":
-        result.unavailable = "needs a CUDA GPU"
-        return result
-    if provider == "standard" and not _standard_fits(case, device):
-        result.unavailable = "N x N scores too large"
-        return result
-    try:
-        _measure(result, device, modes)
-    except Exception as exc:  # a peer that does not support this case, is not installed, or runs out of memory
-        result.ms, result.tflops, result.unavailable = {}, {}, _failure(exc)
+def run_case(case: Case, providers, device: torch.device, modes=MODES, rounds: int = 1) -> list[Result]:
+    """Every provider on one case: each one's first call, error and memory, then ``rounds`` timing rounds,
+    each in a rotated provider order. A mode's ms is the median over the rounds: the GPU's clock drifts
+    under load (and is highest after an idle pause), so no provider should always be timed first."""
+    trials = [_Trial(Result(case, p), device) for p in providers]
+    live = [t for t in trials if t.prepare(modes)]
+    time_ms = _timer(device)
+    for r in range(rounds):
+        shift = r * len(live) // rounds
+        for trial in live[shift:] + live[:shift]:
+            trial.time_round(time_ms, modes)
+    for trial in trials:
+        trial.finish()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return result
+    return [t.result for t in trials]
 
 
-def _measure(result: Result, device: torch.device, modes) -> None:
-    case = result.case
-    dtype = getattr(torch, case.dtype)
-    shape = (case.batch, case.seqlen, case.heads, case.head_dim)
-    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    fwd = PROVIDERS[result.provider](q, k, v, case.causal)
-    start = time.perf_counter()
-    out = fwd()
-    grad = torch.randn_like(out)
-    out.backward(grad)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    result.first_call_s = time.perf_counter() - start
-    result.max_error = _forward_error(out, q, k, v, case.causal)
-    time_ms = _timer(device)
-    for mode in modes:
-        if mode == "fwd":
-            with torch.no_grad():
-                ms = time_ms(fwd)
-        elif mode == "fwd_bwd":
-            ms = time_ms(lambda: fwd().backward(grad))
+class _Trial:
+    """One provider on one case: its inputs and forward callable, and its timings round by round."""
+
+    def __init__(self, result: Result, device: torch.device):
+        self.result, self.device = result, device
+        self.rounds: dict[str, list[float]] = {}
+
+    def prepare(self, modes) -> bool:
+        """First call (compile included), error and peak memory; False if the provider is unavailable."""
+        result, device = self.result, self.device
+        if result.provider in GPU_ONLY and device.type != "cuda":
+            result.unavailable = "needs a CUDA GPU"
+        elif result.provider == "standard" and not _standard_fits(result.case, device):
+            result.unavailable = "N x N scores too large"
         else:
-            graph_out = fwd()
-            ms = time_ms(lambda graph_out=graph_out: graph_out.backward(grad, retain_graph=True))
-        result.ms[mode] = ms
-        flops = attention_flops(case.batch, case.heads, case.seqlen, case.seqlen, case.head_dim, case.causal, mode)
-        result.tflops[mode] = flops / (ms * 1e-3) / 1e12
-    result.peak_extra_mib = _peak_extra_mib(fwd, grad, device)
+            with self._guard():
+                self._first_call()
+        return result.unavailable is None
+
+    def _first_call(self) -> None:
+        case = self.result.case
+        dtype = getattr(torch, case.dtype)
+        shape = (case.batch, case.seqlen, case.heads, case.head_dim)
+        q, k, v = (torch.randn(shape, device=self.device, dtype=dtype, requires_grad=True) for _ in range(3))
+        self.fwd = PROVIDERS[self.result.provider](q, k, v, case.causal)
+        start = time.perf_counter()
+        out = self.fwd()
+        self.grad = torch.randn_like(out)
+        out.backward(self.grad)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.result.first_call_s = time.perf_counter() - start
+        self.result.max_error = _forward_error(out, q, k, v, case.causal)
+        self.result.peak_extra_mib = _peak_extra_mib(self.fwd, self.grad, self.device)
+
+    def time_round(self, time_ms, modes) -> None:
+        if self.result.unavailable is None:
+            with self._guard():
+                for mode in modes:
+                    self.rounds.setdefault(mode, []).append(_time_mode(time_ms, mode, self.fwd, self.grad))
+
+    def finish(self) -> None:
+        """The medians over the rounds; drops the inputs."""
+        result = self.result
+        self.fwd = self.grad = None
+        if result.unavailable is not None:
+            return
+        case = result.case
+        for mode, times in self.rounds.items():
+            result.ms[mode] = statistics.median(times)
+            result.ms_rounds[mode] = times
+            flops = attention_flops(case.batch, case.heads, case.seqlen, case.seqlen, case.head_dim, case.causal, mode)
+            result.tflops[mode] = flops / (result.ms[mode] * 1e-3) / 1e12
+
+    @contextlib.contextmanager
+    def _guard(self):
+        try:
+            yield
+        except Exception as exc:  # a peer that does not support this case, is not installed, or runs out of memory
+            self.result.unavailable = _failure(exc)
+            self.fwd = self.grad = None
+
+
+def _time_mode(time_ms, mode: str, fwd, grad) -> float:
+    if mode == "fwd":
+        with torch.no_grad():
+            return time_ms(fwd)
+    if mode == "fwd_bwd":
+        return time_ms(lambda: fwd().backward(grad))
+    graph_out = fwd()
+    return time_ms(lambda: graph_out.backward(grad, retain_graph=True))
 
 
 def _forward_error(out, q, k, v, causal) -> float:
@@ -310,14 +359,14 @@ def default_cases(device: torch.device, head_dims, seqlens, causal_options, dtyp
     ]
 
 
-def _progress(items):
-    """Yields items, printing each on stderr (one updating line on a terminal, one line each in a log)."""
-    total, start = len(items), time.perf_counter()
+def _progress(cases: list[Case]):
+    """Yields the cases, printing each on stderr (one updating line on a terminal, one line each in a log)."""
+    total, start = len(cases), time.perf_counter()
     end = "\r" if sys.stderr.isatty() else "\n"
-    for i, item in enumerate(items, 1):
+    for i, case in enumerate(cases, 1):
         elapsed = time.perf_counter() - start
-        print(f"[{i}/{total} {elapsed:6.0f}s] {item[0].name} {item[1]:<16}", end=end, file=sys.stderr, flush=True)
-        yield item
+        print(f"[{i}/{total} {elapsed:6.0f}s] {case.name:<24}", end=end, file=sys.stderr, flush=True)
+        yield case
     print(f"done in {time.perf_counter() - start:.0f}s", file=sys.stderr)
 
 
@@ -394,13 +443,15 @@ def load_results(path: str) -> tuple[dict, list[Result]]:
     return payload, results
 
 
-def _resumable(path: str, env: dict, modes, cases, providers) -> tuple[dict, list[Result]]:
+def _resumable(path: str, env: dict, sweep: dict, cases) -> tuple[dict, list[Result]]:
     """The cases of an earlier, cut-short run that every provider finished, if it measured the same source
-    on the same GPU and software; a case it left half done is measured again, so peers share a run."""
+    on the same GPU and software in the same way; a case it left half done is measured again, so peers
+    share a run."""
     header, earlier = load_results(path)
-    mine = {**env, "modes": list(modes)}
-    theirs = {**header["environment"], "modes": header["sweep"]["modes"]}
-    for key in ("source_digest", "gpu", "driver", "torch", "triton", "modes"):
+    providers = sweep["providers"]
+    mine = {**env, "modes": sweep["modes"], "rounds": sweep["rounds"]}
+    theirs = {**header["environment"], "modes": header["sweep"]["modes"], "rounds": header["sweep"].get("rounds", 1)}
+    for key in ("source_digest", "gpu", "driver", "torch", "triton", "modes", "rounds"):
         if theirs.get(key) != mine.get(key):
             raise SystemExit(f"--resume {path}: its {key} is {theirs.get(key)!r}, this run's {mine.get(key)!r}")
     kept = []
@@ -420,6 +471,9 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(PROVIDERS))
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="timing rounds per case, the provider order rotated (default 3)"
+    )
     parser.add_argument("--out", default="bench-out", help="folder for results.json and bench.png")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument(
@@ -439,14 +493,15 @@ def main(argv=None) -> int:
     json_path = os.path.join(args.out, "results.json")
     env = environment()
     header = {"schema": SCHEMA, "definitions": DEFINITIONS, "environment": env, "device": str(device)}
-    header["sweep"] = {"modes": args.modes, "providers": args.providers, "dtype": cases[0].dtype}
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    header["sweep"] = {"modes": args.modes, "providers": args.providers, "dtype": cases[0].dtype, "rounds": args.rounds}
     results = []
     if args.resume:
-        header["resumed_environment"], results = _resumable(args.resume, env, args.modes, cases, args.providers)
+        header["resumed_environment"], results = _resumable(args.resume, env, header["sweep"], cases)
     finished = {r.case for r in results}
-    work = [(c, p) for c in cases if c not in finished for p in args.providers]
-    for case, provider in _progress(work):
-        results.append(run_case(case, provider, device, args.modes))
+    for case in _progress([c for c in cases if c not in finished]):
+        results += run_case(case, args.providers, device, args.modes, args.rounds)
         attach_ratios(results)
         _write_json(json_path, header, results, complete=False)
     results.sort(key=lambda r: (cases.index(r.case), args.providers.index(r.provider)))
