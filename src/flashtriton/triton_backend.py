@@ -39,10 +39,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)  # triton.cdiv is a constexpr function: several times the host time
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs get true fp32 products (not tf32): the user asked for fp32 accuracy.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -58,9 +54,20 @@ def _strides(x: torch.Tensor, varlen: bool = False) -> tuple[int, int, int]:
     return 0 if varlen else x.stride(0), x.stride(1), x.stride(2)
 
 
-def _batched(x: torch.Tensor) -> torch.Tensor:
-    """Varlen (total, H, D) tensors are run as one batch row (1, total, H, D); the kernels add cu_seqlens."""
+def _kernel_view(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the kernels read it: in ``dtype``, its last dim contiguous, (B, N, H, D); varlen (total, H, D)
+    tensors run as one batch row (1, total, H, D), the kernels adding cu_seqlens. Steps already true are
+    skipped: even a no-op .to() or view costs about a microsecond of host time."""
+    if x.dtype != dtype:
+        x = x.to(dtype)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     return x.unsqueeze(0) if x.dim() == 3 else x
+
+
+def _user_view(x: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A kernel output back in the caller's shape and dtype (the inverse of _kernel_view)."""
+    return x if x.dtype == dtype and x.dim() == len(shape) else x.view(shape).to(dtype)
 
 
 def _tma_fits(x: torch.Tensor, block_d: int) -> bool:
@@ -292,7 +299,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
     run_dtype = _interpreter_dtype(q.dtype)
     shape = q.shape
     lse = torch.empty(lse_shape(q, p.varlen), dtype=torch.float32, device=q.device)
-    q, k, v = (_batched(_last_dim_contiguous(x.to(run_dtype))) for x in (q, k, v))
+    q, k, v = (_kernel_view(x, run_dtype) for x in (q, k, v))
     batch, n_q, n_k = _lengths(q, k, p)
     heads, head_dim, heads_k = q.shape[2], q.shape[3], k.shape[2]
     out = torch.empty(q.shape, dtype=run_dtype, device=q.device)
@@ -302,7 +309,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
     hopper_cfg = config.hopper_forward_config(arch, head_dim, run_dtype, banded=banded, span=_span(p, n_q, n_k))
     if hopper_cfg is not None and _hopper_fits(p, hopper_cfg.rows, q, k, v):
         _hopper_forward(q, k, v, out, lse, p, hopper_cfg)
-        return out.view(shape).to(out_dtype), lse
+        return _user_view(out, shape, out_dtype), lse
     cfg = config.forward_config(arch, head_dim, run_dtype, _span(p, n_q, n_k), _plain(p))
     runtime, flags = _features(p)
     block_m, block_n = _tile(cfg.block_m, p.block_mask, 0), _tile(cfg.block_n, p.block_mask, 1)
@@ -319,11 +326,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_registers, EDGE_STAGES=cfg.edge_stages,
         **_tile_lists(p.block_mask, False), **runtime, **flags,
     )  # fmt: skip
-    return out.view(shape).to(out_dtype), lse
+    return _user_view(out, shape, out_dtype), lse
 
 
 def _shaped(grads: tuple[torch.Tensor, ...], shapes: tuple[torch.Size, ...], dtype: torch.dtype) -> tuple:
-    return tuple(g.view(shape).to(dtype) for g, shape in zip(grads, shapes, strict=True))
+    return tuple(_user_view(g, shape, dtype) for g, shape in zip(grads, shapes, strict=True))
 
 
 def backward(
@@ -340,7 +347,7 @@ def backward(
     grad_dtype = q.dtype
     run_dtype = _interpreter_dtype(q.dtype)
     shapes = q.shape, k.shape, v.shape
-    q, k, v, out, dout = (_batched(_last_dim_contiguous(x.to(run_dtype))) for x in (q, k, v, out, dout))
+    q, k, v, out, dout = (_kernel_view(x, run_dtype) for x in (q, k, v, out, dout))
     lse = lse.contiguous()
     dlse = dlse.contiguous()
     batch, n_q, n_k = _lengths(q, k, p)

@@ -16,6 +16,7 @@ starting point that only fits shared memory.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -228,7 +229,12 @@ _CUDA_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
 def arch_of(device: torch.device, interpreting: bool) -> str:
     if interpreting:
         return "interpreter"
-    major, _ = torch.cuda.get_device_capability(device)
+    return _cuda_arch(device)
+
+
+@functools.cache
+def _cuda_arch(device: torch.device) -> str:
+    major, _ = torch.cuda.get_device_capability(device)  # a few microseconds a call: read once per device
     return "sm90" if major == 9 else "cuda"
 
 
