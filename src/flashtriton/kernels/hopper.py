@@ -16,6 +16,8 @@ from registers). S_j is issued with P_{j-1} V_{j-1} and waited for alone, so tha
 could run beside that P V; ptxas places the second wait before the exps all the same (SASS, NOTES 26). K and
 V have rings of their own (V_j is read a step after K_j and can do with fewer slots), and each consumer a ring
 of Q tiles, so the producer loads the next tile's Q and K/V while the consumers finish the current one.
+O goes out through shared memory and a TMA store (at D=256 in two column halves, for want of room), and a causal
+unit's short tile hands its row blocks to the warpgroups in reverse where they see unequal numbers of key tiles.
 dK/dV: the consumers own BLOCK_N keys each and stream the (Q, dO) tiles of every query head of their GQA
 group, with those rows' LSE and delta (through TMA as well, so the per-step reads are shared-memory loads
 issued beside the MMAs): S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q. Fused (the default where
