@@ -1,11 +1,12 @@
 """``flashtriton bench``: flashtriton against its peers, every provider in the same run.
 
 FLOPs (one formula, the FlashAttention-2 paper's): forward 4 * B * H * N_Q * N_K * D, halved
-when causal; backward 2.5x the forward, so forward+backward 3.5x. Times are medians of
-triton.testing.do_bench on random inputs. Writes ``results.json`` (rewritten after every
-measurement, so a run cut short still leaves what it measured) and one ``bench.png`` with a
-TFLOP/s-against-seqlen panel per (head dim, causal, mode). ``--resume`` continues a run that was
-cut short (a device's time limit) from its results.json.
+when causal; backward 2.5x the forward, so forward+backward 3.5x. Times are triton.testing.do_bench
+medians on random inputs, taken in rounds with the providers' order rotated, and the median of the
+rounds (run_case). Writes ``results.json`` (rewritten after every case, so a run cut short still
+leaves what it measured) and one ``bench.png`` with a TFLOP/s-against-seqlen panel per (head dim,
+causal, mode). ``--resume`` continues a run that was cut short (a device's time limit) from its
+results.json.
 """
 
 from __future__ import annotations
