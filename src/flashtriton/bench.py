@@ -446,8 +446,8 @@ def load_results(path: str) -> tuple[dict, list[Result]]:
 
 def _resumable(path: str, env: dict, sweep: dict, cases) -> tuple[dict, list[Result]]:
     """The cases of an earlier, cut-short run that every provider finished, if it measured the same source
-    on the same GPU and software in the same way; a case it left half done is measured again, so peers
-    share a run."""
+    on the same GPU and software in the same way (runs write whole cases; a case that files from before
+    rounds left half done is measured again, so peers share a run)."""
     header, earlier = load_results(path)
     providers = sweep["providers"]
     mine = {**env, "modes": sweep["modes"], "rounds": sweep["rounds"]}
