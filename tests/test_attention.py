@@ -52,8 +52,10 @@ SHAPES = {
         Shape(2, 512, 512, 4, 1, 64),
         Shape(2, 320, 320, 4, 2, 64),  # causal: 64-row multiples, a 128-row tile whose second warpgroup has no rows
         Shape(1, 8192, 8192, 2, 1, 64),  # causal spans of 4096+: three consumer warpgroups, the last with no rows
-        Shape(2, 1024, 1024, 4, 2, 256),  # the sm90 Gluon forward at D=256 (the portable backward)
+        Shape(2, 1024, 1024, 4, 2, 256),  # the sm90 Gluon kernels at D=256 (the backward's warpgroups split D)
         Shape(2, 320, 320, 2, 1, 256),  # and its causal 64-key tiles, a tile whose second warpgroup has no rows
+        Shape(3, 1024, 1024, 25, 5, 128),  # the persistent forward over two rounds of 132 SMs and part of a third
+        Shape(5, 512, 512, 29, 29, 64),  # and with 64-key tiles (causal)
     ],
 }
 
@@ -105,8 +107,12 @@ def test_rows_without_keys_are_zero_not_nan(backend, shape):
     assert q.grad[:, empty:].abs().amax() > 0
 
 
-# and causal spans of 2048 keys in whole tiles: the sm90 fused backward, which adds dQ up with atomics
-REPEATED_SHAPES = {**ONE_SHAPE, "gpu": [*ONE_SHAPE["gpu"], Shape(1, 4096, 4096, 4, 2, 128)]}
+# and causal spans of 2048 keys in whole tiles: the sm90 fused backward, which adds dQ up by TMA reductions (at D=256
+# with the warpgroups splitting D, its deterministic form the portable kernels)
+REPEATED_SHAPES = {
+    **ONE_SHAPE,
+    "gpu": [*ONE_SHAPE["gpu"], Shape(1, 4096, 4096, 4, 2, 128), Shape(2, 1024, 1024, 4, 2, 256)],
+}
 
 
 def _repeat_backward(q, k, v, dout, deterministic, times=3):

@@ -92,27 +92,32 @@ def test_hopper_scope():
     assert forward("sm90", 128, torch.bfloat16, span=short).block_n == 128
     assert config.hopper_backward_config("sm90", 128, torch.bfloat16) is not None
     assert config.hopper_backward_config("sm90", 64, torch.bfloat16) is not None
-    assert config.hopper_backward_config("sm90", 256, torch.bfloat16) is None
+    split = config.hopper_backward_config("sm90", 256, torch.bfloat16)
+    assert split.split_d and split.dq is None and split.rows == 64  # fused only: deterministic runs the portable pair
 
 
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU"
 )
 @pytest.mark.parametrize("causal", [False, True])
-def test_hopper_kernels_run_where_they_fit(causal, monkeypatch):
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_hopper_kernels_run_where_they_fit(causal, head_dim, monkeypatch):
     calls = []
     for name in ("_hopper_forward", "_hopper_dkdv", "_hopper_dq"):
         launch = getattr(triton_backend, name)
         monkeypatch.setattr(triton_backend, name, lambda *args, n=name, f=launch: calls.append(n) or f(*args))
     # 4096 keys: a mean span of 2048 or more, where the backward takes the fused kernel
-    q, k, v = (torch.randn(1, 4096, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (8, 4, 4))
+    shapes = ((1, 4096, h, head_dim) for h in (8, 4, 4))
+    q, k, v = (torch.randn(s, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s in shapes)
     out = flash_attn_func(q, k, v, causal=causal)
     out.sum().backward()
     flash_attn_func(q, k, v, causal=causal, deterministic=True).sum().backward()
     ragged = flash_attn_func(q[:, :1000], k[:, :1000], v[:, :1000], causal=causal)
     ragged.sum().backward()
-    # one fused backward pass; deterministic, dQ's own pass first (it computes delta for dK/dV)
-    assert calls == ["_hopper_forward", "_hopper_dkdv", "_hopper_forward", "_hopper_dq", "_hopper_dkdv"]
+    # one fused backward pass; deterministic, dQ's own pass first (it computes delta for dK/dV), or at D=256,
+    # which has no Gluon dQ kernel, the portable kernels
+    deterministic = ["_hopper_dq", "_hopper_dkdv"] if head_dim == 128 else []
+    assert calls == ["_hopper_forward", "_hopper_dkdv", "_hopper_forward", *deterministic]
     # the first 1000 rows of causal attention see the same keys in both calls
     if causal:
         torch.testing.assert_close(out[:, :1000], ragged, atol=2e-2, rtol=0)

@@ -448,6 +448,8 @@ SELF_SEQLENS = {  # one cu_seqlens for q and k, as flash_attn_varlen_qkvpacked_f
 # LONG_TILED_SEQLENS gives a span of 2048+ keys: the fused backward
 TILED_SEQLENS = Seqlens(q=(256, 0, 1024, 128), k=(256, 0, 1024, 128), heads=8, heads_k=4, head_dim=128)
 LONG_TILED_SEQLENS = Seqlens(q=(2048, 128, 2304), k=(2048, 128, 2304), heads=4, heads_k=2, head_dim=64)
+# D=256: whole 64-row tiles; the backward's warpgroups split D
+TILED_256_SEQLENS = Seqlens(q=(192, 0, 640, 64), k=(192, 0, 640, 64), heads=4, heads_k=2, head_dim=256)
 
 
 def _varlen_cases(size: str) -> list[Case]:
@@ -455,6 +457,7 @@ def _varlen_cases(size: str) -> list[Case]:
     window = {"tiny": (6, 2), "cpu": (64, 16), "gpu": (256, 32)}[size]
     tiled = [Case(TILED_SEQLENS), Case(TILED_SEQLENS, causal=True), Case(TILED_SEQLENS, causal=True, window=(200, -1))]
     tiled.append(Case(LONG_TILED_SEQLENS))
+    tiled += [Case(TILED_256_SEQLENS), Case(TILED_256_SEQLENS, causal=True, window=(100, -1))]
     return (tiled if size == "gpu" else []) + [
         Case(lens),
         Case(lens, causal=True),

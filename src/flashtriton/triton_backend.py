@@ -271,14 +271,16 @@ def _lengths(q: torch.Tensor, k: torch.Tensor, p: AttentionParams) -> tuple[int,
 def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams, cfg: config.HopperBackwardConfig):
     """dK, dV and, when dq_sums (zeroed fp32, shaped as q) is given, dQ added into it by TMA reductions."""
     batch, n, common = _hopper_common(q, k, lse, p)
-    fused = dq_sums is not None
-    _DKDV_SM90[(_cdiv(n, 2 * cfg.block_n), batch * k.shape[2])](
+    head_dim = q.shape[3]
+    cols = head_dim // 2 if cfg.split_d else head_dim  # of dK and dV per warpgroup
+    if dq_sums is not None:  # TMA reductions of D / 2 columns per warpgroup, split_d's in two pieces
+        dq_sums = _gluon_view(dq_sums, cfg.block_m, cols // 2)
+    _DKDV_SM90[(_cdiv(n, cfg.keys), batch * k.shape[2])](
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
-        _gluon_view(dout, cfg.block_m), _gluon_view(dk, cfg.block_n), _gluon_view(dv, cfg.block_n),
-        _gluon_view(dq_sums, cfg.block_m, q.shape[3] // 2) if fused else None, _gluon_rows(lse, cfg.block_m),
-        _gluon_rows(delta, cfg.block_m), softmax_scale=p.softmax_scale, **common,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, DQ_LATE=cfg.dq_late,
-        READ_AHEAD=cfg.read_ahead,
+        _gluon_view(dout, cfg.block_m), _gluon_view(dk, cfg.block_n, cols), _gluon_view(dv, cfg.block_n, cols),
+        dq_sums, _gluon_rows(lse, cfg.block_m), _gluon_rows(delta, cfg.block_m), softmax_scale=p.softmax_scale,
+        **common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, DQ_LATE=cfg.dq_late,
+        READ_AHEAD=cfg.read_ahead, SPLIT_D=cfg.split_d,
     )  # fmt: skip
 
 
@@ -356,6 +358,7 @@ def backward(
     hopper_cfg = config.hopper_backward_config(arch, head_dim, run_dtype)
     on_hopper = hopper_cfg is not None and _hopper_fits(p, hopper_cfg.rows, q, k, v, dout, out)
     fused = on_hopper and not p.deterministic and _span(p, n_q, n_k) >= hopper_cfg.fused_span
+    pair = on_hopper and not fused and hopper_cfg.dq is not None
     delta = torch.empty_like(lse)
     if fused:  # the fused kernel adds dQ's shares up in fp32
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -363,7 +366,7 @@ def backward(
         dq = torch.empty(q.shape, dtype=run_dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=run_dtype, device=q.device)
     dv = torch.empty(v.shape, dtype=run_dtype, device=q.device)
-    if on_hopper and not fused:  # dQ's own pass, which also computes delta for the dK/dV kernel after it
+    if pair:  # dQ's own pass, which also computes delta for the dK/dV kernel after it
         _hopper_dq(q, k, v, out, dout, lse, dlse, delta, dq, p, hopper_cfg)
         _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, None, p, hopper_cfg)
         return _shaped((dq, dk, dv), shapes, grad_dtype)

@@ -78,21 +78,29 @@ class HopperForwardConfig:
 
 @dataclass(frozen=True)
 class HopperBackwardConfig:
-    """The Gluon sm90 backward: one dK/dV kernel that also adds up dQ (fp32 TMA reductions), or, deterministic,
-    the dQ kernel (which also computes delta) and the dK/dV kernel after it."""
+    """The Gluon sm90 backward: one dK/dV kernel that also adds up dQ (fp32 TMA reductions, or atomics with
+    split_d), or, deterministic, the dQ kernel (which also computes delta) and the dK/dV kernel after it."""
 
-    dq: HopperForwardConfig  # the deterministic dQ kernel's tiles, laid out as the forward's
+    dq: HopperForwardConfig | None  # the deterministic dQ kernel's tiles, laid out as the forward's; None: no such
+    # kernel (deterministic and short spans run the portable kernels)
     block_m: int  # dK/dV: query rows per streamed step
-    block_n: int  # dK/dV: keys per consumer warpgroup; a program has two
+    block_n: int  # dK/dV: keys per consumer warpgroup; a program has two (split_d: both take the same keys)
     stages: int  # dK/dV: (Q, dO) tiles in flight; fused, its dS and dQ tiles take 64 KB more (D=128: 3 fit)
     fused_span: int  # the fused kernel from this span on (triton_backend._span; varlen: the longest sequence's)
     dq_late: bool = False  # fused: a step's dQ multiply is issued beside the next step's S^T and dP^T
     read_ahead: bool = False  # dK/dV: a step's LSE and delta are read before its wgmmas are issued (more registers)
+    split_d: bool = False  # fused only: each consumer warpgroup takes half of D's columns (P^T, dS^T shared)
+
+    @property
+    def keys(self) -> int:
+        """Keys per dK/dV program."""
+        return self.block_n if self.split_d else 2 * self.block_n
 
     @property
     def rows(self) -> int:
         """Sequences must be whole multiples of this many rows (of both kernels' programs and tiles)."""
-        return math.lcm(2 * self.dq.block_m, self.dq.block_n, self.block_m, 2 * self.block_n)
+        rows = math.lcm(self.block_m, self.keys)
+        return rows if self.dq is None else math.lcm(rows, 2 * self.dq.block_m, self.dq.block_n)
 
 
 # Rows of the preprocessing kernel (delta = rowsum(dO * O)) per program.
@@ -213,9 +221,16 @@ SHORT_BAND_SPAN = 256
 # wgmmas; read_ahead adds 16-32 B of spill, 1k and causal 4k 4-5% slower). With both, the fused kernel wins from a span
 # of 512 (three repeats, fused from 1024 / 512 / 256): N=512 0.599-0.603 / 0.578-0.580 / 0.577-0.582, causal 1k
 # 0.642-0.645 / 0.630-0.635 / 0.630-0.672, causal 512 (span 256) 0.455-0.458 / 0.455 / 0.463.
+# D=256 (NOTES 50): both warpgroups take the same 64 keys and half of D each (split_d), fused at every span, dQ by TMA
+# reductions staged in the step's Q and dO tiles (atomics from registers held L2 at 81% and cost 42%). Backward
+# ms against the portable kernels and cuDNN, same run: 16k 14.30 against 21.39 and 15.24, causal 16k 7.05 against
+# 9.75 and 7.30, N=512 0.646 against 0.939 and 0.712, causal 512 0.463 against 0.730 and 0.481; with the slot given
+# back a step later (defer): 16k 12.88 (cuDNN 15.22), 4k 3.39 against 3.71 (3.73), causal 4k 1.86 against 2.01
+# (2.01), 1k 0.994 against 1.077 (1.135). No Gluon dQ kernel: deterministic=True runs the portable pair.
 _SM90_HOPPER_BACKWARD = {
     64: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3, 512, dq_late=True, read_ahead=True),
     128: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3, 2048),
+    256: HopperBackwardConfig(None, 64, 64, 2, 0, split_d=True),
 }
 
 # Other CUDA GPUs (smaller shared memory than Hopper): conservative tiles.

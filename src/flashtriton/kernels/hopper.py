@@ -23,7 +23,9 @@ group, with those rows' LSE and delta (through TMA as well, so the per-step read
 issued beside the MMAs): S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q. Fused (the default where
 config's fused_span says so), the same kernel also computes dQ += dS K from both consumers' dS^T in shared
 memory and adds each step's share into an fp32 dQ through TMA reductions: 5 matmuls per tile pair instead of
-the pair's 7, in no fixed order of summation.
+the pair's 7, in no fixed order of summation. At D=256 a warpgroup has registers for dK and dV of 64 keys x 128
+columns only, so the two share their keys and split D (_dkdv_split_consumer): each takes S^T and dP^T for half
+of a step's queries and they exchange P^T and dS^T through shared memory.
 dQ (deterministic=True, or short spans): laid out as the forward, S = Q K^T, dP = dO V^T, dQ += dS K, with
 no atomics, so that backward is bitwise reproducible.
 
@@ -146,11 +148,11 @@ def _shared(a_desc, b_desc, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _resident(desc, bar, row, col):
-    """The two consumer warpgroups' tiles of desc (rows ``row`` on, then the next block), loaded through
-    TMA onto ``bar``, whose expected bytes the caller has set."""
-    bufs = _tiles(desc, 2)
-    for w in gl.static_range(2):
+def _resident(desc, bar, row, col, n: gl.constexpr):
+    """n consecutive tiles of desc (rows ``row`` on, a block each), loaded through TMA onto ``bar``, whose
+    expected bytes the caller has set."""
+    bufs = _tiles(desc, n)
+    for w in gl.static_range(n):
         tma.async_copy_global_to_shared(desc, [row + w * desc.block_type.shape[0], col], bar, bufs.index(w))
     return bufs
 
@@ -535,6 +537,15 @@ def _dq_add(dq_sums, dq, coord, softmax_scale, W: gl.constexpr):
 
 
 @gluon.jit
+def _piece_add(desc, coord, value, smem):
+    """desc's tile at coord += value, by a TMA reduction staged in smem (a tile nothing else reads or writes until
+    the caller's tma.store_wait)."""
+    smem.store(value)
+    fence_async_shared()
+    _tma_add(desc, coord, smem)
+
+
+@gluon.jit
 def _dkdv_consumer(dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready,
                    empty, kv_row, kv_col, n0, first_query, q_row, q_col, n_steps, GROUP, qk_scale, softmax_scale,
                    window_left, W: gl.constexpr, FUSED: gl.constexpr, DQ_LATE: gl.constexpr,
@@ -639,22 +650,113 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, q_bufs, do_bufs, l
 
 
 @gluon.jit
+def _exchange(bars, it):
+    """This warpgroup's stores for step it are in shared memory (fenced for the tensor cores); waits until the
+    other's are too: phase it // 2 of bars[it % 2], two arrivals."""
+    fence_async_shared()
+    bar = bars.index(it % 2)
+    mbarrier.arrive(bar, count=1)
+    mbarrier.wait(bar, (it // 2) & 1)
+
+
+@gluon.jit
+def _dkdv_split_consumer(dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, pt_bufs,
+                         dst_bufs, p_ready, ds_ready, kv_bar, ready, empty, kv_row, kv_col, first_key, first_query,
+                         q_row, q_col, n_steps, GROUP, qk_scale, softmax_scale, window_left, W: gl.constexpr,
+                         CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Warpgroup W's half of D's columns for the program's BLOCK_N keys, which both warpgroups share: at D = 256 a
+    warpgroup's registers hold dK and dV for 64 keys x 128 columns, not 256. Per streamed query tile it takes S^T
+    and dP^T for its half of the tile's queries (K, V, Q, dO from shared memory) and puts P^T and dS^T there
+    (pt_bufs, dst_bufs: [step parity], the halves side by side); once the other warpgroup's halves are there too
+    (p_ready, ds_ready), dV += P^T dO and dK += dS^T Q over all the tile's queries for its columns, and dQ = dS K
+    for its columns, added into dq_desc's fp32 rows by two TMA reductions of D / 4 columns. Shared memory has no
+    room for their staging tiles beside two (Q, dO) slots: they go through this warpgroup's columns of the step's
+    dO and Q tiles, which only its own dV and dK read after the exchange (NVMMA tiles keep each 128-byte column
+    block whole, so a half of D's columns is one contiguous 16 KB); the slot goes back a step later, once they have
+    been read."""
+    QH: gl.constexpr = BLOCK_M // 2  # this warpgroup's queries of a tile
+    DH: gl.constexpr = D // 2  # and columns
+    s_layout: gl.constexpr = _mma_layout(QH)
+    o_layout: gl.constexpr = _mma_layout(DH)
+    queries: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dtype: gl.constexpr = k_smem.dtype
+    # the (Q, dO) slots as [slot, column half] tiles of dQ's fp32 pieces
+    pieces: gl.constexpr = [STAGES * 2, BLOCK_M, DH // 2]
+    do_pieces = do_bufs._reinterpret(gl.float32, pieces, dq_desc.layout)
+    q_pieces = q_bufs._reinterpret(gl.float32, pieces, dq_desc.layout)
+
+    zero_s = gl.zeros([BLOCK_N, QH], gl.float32, s_layout)
+    zero_o = gl.zeros([BLOCK_M, DH], gl.float32, o_layout)
+    dk = gl.zeros([BLOCK_N, DH], gl.float32, o_layout)
+    dv = gl.zeros([BLOCK_N, DH], gl.float32, o_layout)
+    keys = first_key + gl.arange(0, BLOCK_N, gl.SliceLayout(1, s_layout))
+    k_cols = k_smem.slice(W * DH, DH, dim=1)
+    mbarrier.wait(kv_bar, 0)
+    for g in range(GROUP):
+        for j in range(n_steps):
+            it = g * n_steps + j
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            q = q_bufs.index(s)
+            do = do_bufs.index(s)
+            lse2 = lse_bufs.index(s).slice(W * QH, QH).load(queries) * LOG2E
+            delta = delta_bufs.index(s).slice(W * QH, QH).load(queries)
+            s_t = warpgroup_mma(k_smem, q.slice(W * QH, QH).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dp_t = warpgroup_mma(v_smem, do.slice(W * QH, QH).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s_t = warpgroup_mma_wait(1, deps=(s_t, k_smem, q))[0]
+            if it > 0:  # the step before's reductions have long read its slot: it goes back (NOTES 50)
+                tma.store_wait(0)
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+            p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
+            if CAUSAL:  # every step: a branch here could make ptxas serialise the wgmmas (C7512)
+                rows = first_query + j * BLOCK_M + W * QH + gl.arange(0, QH, queries)
+                p_t = _band_only(p_t, rows, keys, window_left, LEFT)
+            pt = pt_bufs.index(it % 2)
+            pt.slice(W * QH, QH, dim=1).store(p_t.to(dtype))
+            _exchange(p_ready, it)
+            dv = warpgroup_mma(pt, do.slice(W * DH, DH, dim=1), dv, is_async=True)
+            dp_t = warpgroup_mma_wait(1, deps=(dp_t, v_smem, do))[0]
+            dst = dst_bufs.index(it % 2)
+            dst.slice(W * QH, QH, dim=1).store((p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype))
+            _exchange(ds_ready, it)  # both warpgroups' S^T and dP^T are done: only dV and dK read Q and dO now
+            dq = warpgroup_mma(dst.permute((1, 0)), k_cols, zero_o, use_acc=False, is_async=True)
+            dk = warpgroup_mma(dst, q.slice(W * DH, DH, dim=1), dk, is_async=True)
+            dv, dq = warpgroup_mma_wait(1, deps=(dv, dq, pt, dst, do, k_cols))[:2]
+            lo, hi = gl.split(gl.permute(gl.reshape(dq * softmax_scale, [BLOCK_M, 2, DH // 2]), (0, 2, 1)))
+            at = q_row + j * BLOCK_M
+            col = q_col + g * D + W * DH
+            _piece_add(dq_desc, [at, col], lo, do_pieces.index(2 * s + W))  # this dV is done with those columns
+            dk = warpgroup_mma_wait(0, deps=(dk, q))[0]
+            _piece_add(dq_desc, [at, col + DH // 2], hi, q_pieces.index(2 * s + W))  # and this dK
+
+    # (the last step's slot is not needed again.) Once the other warpgroup too is done with K and V, their tiles stage
+    # this one's dK and dV columns
+    _exchange(p_ready, GROUP * n_steps)
+    _store(dk_desc, dk * softmax_scale, k_cols, kv_row, kv_col + W * DH)
+    _store(dv_desc, dv, v_smem.slice(W * DH, DH, dim=1), kv_row, kv_col + W * DH)
+
+
+@gluon.jit
 def attention_backward_dkdv_sm90_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc, stride_lb, stride_lh, N, H,
     GROUP, qk_scale, softmax_scale, window_left, CU_SEQLENS,
     CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    D: gl.constexpr, STAGES: gl.constexpr, DQ_LATE: gl.constexpr, READ_AHEAD: gl.constexpr,
+    D: gl.constexpr, STAGES: gl.constexpr, DQ_LATE: gl.constexpr, READ_AHEAD: gl.constexpr, SPLIT_D: gl.constexpr,
 ):  # fmt: skip
-    """Grid (N / (2 * BLOCK_N), B * HKV): dK, dV of 2 * BLOCK_N keys of one K/V head, two consumer
-    warpgroups of BLOCK_N keys each, a producer warp streaming the (Q, dO, LSE, delta) tiles of the GQA
-    group; lse/delta_desc: LSE and DELTA as flat vectors, in blocks of BLOCK_M entries. dq_desc: None, or
-    fp32 (B * N, H * D) rows, in blocks of BLOCK_M x D / 2, to which these keys' dQ shares are added."""
+    """Grid (N / KEYS, B * HKV): dK, dV of KEYS keys of one K/V head, two consumer warpgroups and a producer warp
+    streaming the (Q, dO, LSE, delta) tiles of the GQA group; lse/delta_desc: LSE and DELTA as flat vectors, in
+    blocks of BLOCK_M entries. The warpgroups take BLOCK_N keys each (KEYS = 2 * BLOCK_N) or, SPLIT_D, the same
+    KEYS = BLOCK_N keys and half of D's columns each (_dkdv_split_consumer). k/v_desc: blocks of BLOCK_N x D;
+    dk/dv_desc: of BLOCK_N x D, or D / 2 when SPLIT_D. dq_desc: None, or fp32 (B * N, H * D) rows to which these
+    keys' dQ shares are added (TMA reductions), in blocks of BLOCK_M x D / 2, or D / 4 when SPLIT_D."""
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
     hkv = H // GROUP
     b = pid_bh // hkv
     hk = pid_bh % hkv
-    n0 = pid_n * (2 * BLOCK_N)
+    KEYS: gl.constexpr = BLOCK_N if SPLIT_D else 2 * BLOCK_N
+    n0 = pid_n * KEYS
     seq0, N, lse0 = _sequence(CU_SEQLENS, b, N, VARLEN)
     if VARLEN:
         if n0 >= N:
@@ -666,12 +768,12 @@ def attention_backward_dkdv_sm90_kernel(
     kv_bar = _barriers(1, 1).index(0)  # the resident K and V tiles have landed
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
-    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-    k_bufs = _resident(k_desc, kv_bar, kv_row, kv_col)
-    v_bufs = _resident(v_desc, kv_bar, kv_row, kv_col)
+    mbarrier.expect(kv_bar, KEYS // BLOCK_N * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    k_bufs = _resident(k_desc, kv_bar, kv_row, kv_col, KEYS // BLOCK_N)
+    v_bufs = _resident(v_desc, kv_bar, kv_row, kv_col, KEYS // BLOCK_N)
     FUSED: gl.constexpr = dq_desc is not None
     dq_sums = ()  # (a worker partition's arguments cannot be None)
-    if FUSED:  # dQ's target; dS^T tiles [step parity][warpgroup]; their barriers; staging tiles
+    if FUSED and not SPLIT_D:  # dQ's target; dS^T tiles [step parity][warpgroup]; their barriers; staging tiles
         ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, BLOCK_N, BLOCK_M], q_desc.layout)
         dq_sums = (dq_desc, ds_bufs, _barriers(2, 2), _tiles(dq_desc, 2))
 
@@ -680,27 +782,53 @@ def attention_backward_dkdv_sm90_kernel(
     if CAUSAL:  # queries before the first key see none of these keys
         first_query = n0
     if LEFT:  # nor do queries more than window_left after the last
-        last_query = gl.minimum(gl.cdiv(n0 + 2 * BLOCK_N + window_left, BLOCK_M) * BLOCK_M, N)
+        last_query = gl.minimum(gl.cdiv(n0 + KEYS + window_left, BLOCK_M) * BLOCK_M, N)
     n_steps = (last_query - first_query) // BLOCK_M
     h0 = hk * GROUP
     lse_row = b * stride_lb + h0 * stride_lh + lse0 + first_query  # of LSE and DELTA, as flat vectors
     q_row = seq0 + first_query
-    gl.warp_specialize(
-        [
-            (_dkdv_consumer, (dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs,
-                              kv_bar, ready, empty, kv_row, kv_col, n0, first_query, q_row, h0 * D, n_steps, GROUP,
-                              qk_scale, softmax_scale, window_left, 0, FUSED, DQ_LATE, READ_AHEAD, CAUSAL, LEFT,
-                              BLOCK_M, BLOCK_N, D, STAGES)),
-            (_dkdv_consumer, (dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs,
-                              kv_bar, ready, empty, kv_row, kv_col, n0, first_query, q_row, h0 * D, n_steps, GROUP,
-                              qk_scale, softmax_scale, window_left, 1, FUSED, DQ_LATE, READ_AHEAD, CAUSAL, LEFT,
-                              BLOCK_M, BLOCK_N, D, STAGES)),
-            (_dkdv_producer, (q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready,
-                              empty, q_row, h0 * D, lse_row, stride_lh, n_steps, GROUP, BLOCK_M, D, STAGES)),
-        ],
-        [4, 1],
-        [232, 24],
-    )  # fmt: skip
+    # the producer's arguments
+    streams = (q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, q_row,
+               h0 * D, lse_row, stride_lh, n_steps, GROUP, BLOCK_M, D, STAGES)  # fmt: skip
+    if SPLIT_D:
+        # P^T and dS^T tiles [step parity], each warpgroup's queries side by side; a barrier pair for each
+        pt_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], q_desc.layout)
+        dst_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], q_desc.layout)
+        p_ready = _barriers(2, 2)
+        ds_ready = _barriers(2, 2)
+        gl.warp_specialize(
+            [
+                (_dkdv_split_consumer, (dk_desc, dv_desc, dq_desc, k_bufs.index(0), v_bufs.index(0), q_bufs,
+                                        do_bufs, lse_bufs, delta_bufs, pt_bufs, dst_bufs, p_ready, ds_ready, kv_bar,
+                                        ready, empty, kv_row, kv_col, n0, first_query, q_row, h0 * D, n_steps,
+                                        GROUP, qk_scale, softmax_scale, window_left, 0, CAUSAL, LEFT, BLOCK_M,
+                                        BLOCK_N, D, STAGES)),
+                (_dkdv_split_consumer, (dk_desc, dv_desc, dq_desc, k_bufs.index(0), v_bufs.index(0), q_bufs,
+                                        do_bufs, lse_bufs, delta_bufs, pt_bufs, dst_bufs, p_ready, ds_ready, kv_bar,
+                                        ready, empty, kv_row, kv_col, n0, first_query, q_row, h0 * D, n_steps,
+                                        GROUP, qk_scale, softmax_scale, window_left, 1, CAUSAL, LEFT, BLOCK_M,
+                                        BLOCK_N, D, STAGES)),
+                (_dkdv_producer, streams),
+            ],
+            [4, 1],
+            [232, 24],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (_dkdv_consumer, (dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs,
+                                  kv_bar, ready, empty, kv_row, kv_col, n0, first_query, q_row, h0 * D, n_steps,
+                                  GROUP, qk_scale, softmax_scale, window_left, 0, FUSED, DQ_LATE, READ_AHEAD, CAUSAL,
+                                  LEFT, BLOCK_M, BLOCK_N, D, STAGES)),
+                (_dkdv_consumer, (dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs,
+                                  kv_bar, ready, empty, kv_row, kv_col, n0, first_query, q_row, h0 * D, n_steps,
+                                  GROUP, qk_scale, softmax_scale, window_left, 1, FUSED, DQ_LATE, READ_AHEAD, CAUSAL,
+                                  LEFT, BLOCK_M, BLOCK_N, D, STAGES)),
+                (_dkdv_producer, streams),
+            ],
+            [4, 1],
+            [232, 24],
+        )  # fmt: skip
 
 
 @gluon.jit
@@ -772,8 +900,8 @@ def attention_backward_dq_sm90_kernel(
     k_bufs, v_bufs, ready, empty = _shared(k_desc, v_desc, STAGES)
     q_bar = _barriers(1, 1).index(0)  # the resident Q and dO tiles have landed
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
-    q_bufs = _resident(q_desc, q_bar, q_row, q_col)
-    do_bufs = _resident(do_desc, q_bar, q_row, q_col)
+    q_bufs = _resident(q_desc, q_bar, q_row, q_col, 2)
+    do_bufs = _resident(do_desc, q_bar, q_row, q_col, 2)
 
     key0, n_tiles = _key_tiles(m0, 2 * BLOCK_M, N, window_left, CAUSAL, LEFT, BLOCK_N)
     row = b * stride_lb + h * stride_lh + lse0 + m0  # of LSE, DLSE and DELTA
