@@ -84,6 +84,10 @@ def test_hopper_scope():
     assert forward("sm90", 64, torch.bfloat16, span=wide - 1).consumers == 2
     assert forward("sm90", 64, torch.bfloat16, span=wide, banded=True).consumers == 2
     assert forward("sm90", 128, torch.bfloat16, span=wide).consumers == 2
+    # the row reductions as trees for D=64's unbanded two-warpgroup spans only
+    d64 = functools.partial(forward, "sm90", 64, torch.bfloat16)
+    assert d64().tree_rows and not d64(banded=True).tree_rows and not d64(span=wide).tree_rows
+    assert not forward("sm90", 128, torch.bfloat16).tree_rows
     assert forward("sm90", 64, torch.bfloat16, span=config.WIDE_BAND_SPAN, banded=True).consumers == 3
     # 64-key tiles for short banded spans only
     short = config.SHORT_BAND_SPAN

@@ -182,7 +182,7 @@ def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperFor
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
         _gluon_view(out, cfg.block_m, q.shape[3] // cfg.o_pieces) if cfg.stage_o else None, out, out.stride(1),
         lse, **common, units=units, CONSUMERS=cfg.consumers, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        Q_STAGES=cfg.q_stages, K_STAGES=cfg.stages, V_STAGES=cfg.v_stages or cfg.stages,
+        Q_STAGES=cfg.q_stages, K_STAGES=cfg.stages, V_STAGES=cfg.v_stages or cfg.stages, TREE_ROWS=cfg.tree_rows,
     )  # fmt: skip
 
 

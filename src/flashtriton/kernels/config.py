@@ -69,6 +69,7 @@ class HopperForwardConfig:
     v_stages: int | None = None  # the forward's V ring, if smaller than its K ring (V_j is read a step after K_j)
     q_stages: int = 1  # the forward's Q tiles per consumer warpgroup (2: the next tile's Q loads a tile ahead)
     o_pieces: int = 1  # stage_o: O goes out in this many column pieces (1 or 2) through a tile as much narrower
+    tree_rows: bool = False  # the forward's row max and sum as trees of column halves, not chains
 
     @property
     def rows(self) -> int:
@@ -186,6 +187,11 @@ _SM90_HOPPER_FORWARD = {
 _SM90_HOPPER_FORWARD_WIDE = {64: HopperForwardConfig(64, 128, 3, stage_o=True, consumers=3, q_stages=2)}
 WIDE_SPAN = 2048
 WIDE_BAND_SPAN = 4096
+# Unbanded spans below WIDE_SPAN, by head dim: D=64 takes its row max and sum as trees (NOTES 51), forward kernel ms
+# (CUDA-graph replay) against chains, same run, four rounds: N=512 0.1870 -> 0.1818 (cuDNN 0.1877), 1k 0.3411 ->
+# 0.3292 (0.3353). Under a causal bound the max's tree is slower (2k 0.375 -> 0.398, 4k 0.686 -> 0.739), and D=128
+# lost 1% with both (N=1k 0.249 -> 0.252, 16k 3.43-3.46 -> 3.49).
+_SM90_HOPPER_FORWARD_UNBANDED = {64: HopperForwardConfig(64, 128, 3, stage_o=True, q_stages=2, tree_rows=True)}
 # Banded spans of SHORT_BAND_SPAN keys or fewer (causal N=512): 64-key tiles, whose diagonal tiles waste half as
 # much (NOTES 39), forward kernel ms against 128-key tiles, same run: D=64 causal 512 0.159 -> 0.141, D=128 0.117
 # -> 0.105; at causal 1k (a span of 512) they lose (D=64 0.221 -> 0.231), as they do unbanded.
@@ -309,6 +315,8 @@ def hopper_forward_config(
         return _SM90_HOPPER_FORWARD_SHORT_BAND.get(head_dim, _SM90_HOPPER_FORWARD[head_dim])
     if span >= (WIDE_BAND_SPAN if banded else WIDE_SPAN):
         return _SM90_HOPPER_FORWARD_WIDE.get(head_dim, _SM90_HOPPER_FORWARD[head_dim])
+    if not banded:
+        return _SM90_HOPPER_FORWARD_UNBANDED.get(head_dim, _SM90_HOPPER_FORWARD[head_dim])
     return _SM90_HOPPER_FORWARD[head_dim]
 
 

@@ -200,23 +200,51 @@ def _stream(k_desc, v_desc, k_bufs, v_bufs, ready, empty, kv_row, col, n_tiles, 
 
 
 @gluon.jit
+def _halves(x):
+    """The column halves of a wgmma accumulator tile, while the column's high bit is a register bit of its layout
+    (down to 8 columns: the split moves no data)."""
+    return gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), (0, 2, 1)))
+
+
+@gluon.jit
+def _row_max(x, TREE: gl.constexpr):
+    """gl.max(x, 1), or with TREE over column halves first: Triton reduces a thread's elements of a row in one chain
+    of dependent instructions (31 for a row of 128 columns), a tree of halves is 5 + 3 deep (benchmarks/NOTES.md 51)."""
+    rows: gl.constexpr = gl.SliceLayout(1, x.type.layout)
+    for _ in gl.static_range(x.shape[1].bit_length() - 4 if TREE else 0):
+        lo, hi = _halves(x)
+        x = gl.maximum(lo, hi)
+    return gl.convert_layout(gl.max(x, 1), rows)  # the same rows: no data moves
+
+
+@gluon.jit
+def _row_sum(x, TREE: gl.constexpr):
+    """gl.sum(x, 1), as _row_max."""
+    rows: gl.constexpr = gl.SliceLayout(1, x.type.layout)
+    for _ in gl.static_range(x.shape[1].bit_length() - 4 if TREE else 0):
+        lo, hi = _halves(x)
+        x = lo + hi
+    return gl.convert_layout(gl.sum(x, 1), rows)
+
+
+@gluon.jit
 def _online_softmax(scores, m_i, l_i, rows, first_row, first_col, qk_scale, window_left, CAUSAL: gl.constexpr,
-                    LEFT: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+                    LEFT: gl.constexpr, BLOCK_N: gl.constexpr, TREE: gl.constexpr):  # fmt: skip
     """One key tile of the online softmax: (P in log2 units against the new max, new max, new sum, the
-    factor alpha that rescales what was accumulated against the old max)."""
+    factor alpha that rescales what was accumulated against the old max). TREE: the row reductions as trees."""
     if CAUSAL:
         last_row = first_row + scores.shape[0] - 1
         if _outside_band(first_row, last_row, first_col, first_col + BLOCK_N - 1, window_left, LEFT):
             cols = first_col + gl.arange(0, BLOCK_N, gl.SliceLayout(0, scores.type.layout))
             keep = _in_band(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), window_left, LEFT)
             scores = gl.where(keep, scores, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)  # the scaled max: validation makes qk_scale > 0
+    m_new = gl.maximum(m_i, _row_max(scores, TREE) * qk_scale)  # the scaled max: validation makes qk_scale > 0
     m_use = m_new
     if LEFT:  # a row may have seen no key yet: its window starts past this tile
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(scores * qk_scale - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
-    return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+    return p, m_new, l_i * alpha + _row_sum(p, TREE), alpha
 
 
 @gluon.jit
@@ -323,7 +351,8 @@ def _pass(k_ring, v_ring, it, n):
 
 @gluon.jit
 def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, qk_scale, window_left,
-            CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):  # fmt: skip
+            CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+            TREE: gl.constexpr):  # fmt: skip
     """One warpgroup's query rows (Q in q_smem, position q_at of q_ring) against n_tiles (K, V) tiles from
     position it of their rings on: (O unnormalised, row max, row sum). Tile j's S = Q K_j^T is issued together
     with tile j-1's O += P V_{j-1}, and the softmax of S_j comes between the waits for the two (which ptxas
@@ -344,7 +373,7 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
     _give(k_ring, it)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows_s)
     p, m_i, l_i, alpha = _online_softmax(scores, m_i, gl.zeros([BLOCK_M], gl.float32, rows_s), rows, first_row, key0,
-                                         qk_scale, window_left, CAUSAL, LEFT, BLOCK_N)  # fmt: skip
+                                         qk_scale, window_left, CAUSAL, LEFT, BLOCK_N, TREE)  # fmt: skip
     p = gl.convert_layout(p.to(dtype), p_layout)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
     for j in range(1, n_tiles):
@@ -355,7 +384,7 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
         scores = warpgroup_mma_wait(1, deps=(scores, q_smem, k))[0]  # S_j done; P V_{j-1} may still run
         _give(k_ring, it + j)
         p_next, m_i, l_i, alpha = _online_softmax(
-            scores, m_i, l_i, rows, first_row, key0 + j * BLOCK_N, qk_scale, window_left, CAUSAL, LEFT, BLOCK_N
+            scores, m_i, l_i, rows, first_row, key0 + j * BLOCK_N, qk_scale, window_left, CAUSAL, LEFT, BLOCK_N, TREE
         )
         acc = warpgroup_mma_wait(0, deps=(acc, p, v))[0]
         _give(v_ring, it + j - 1)
@@ -372,7 +401,8 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
 @gluon.jit
 def _forward_consumer(outputs, q_ring, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
                       W: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr,
-                      CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):  # fmt: skip
+                      CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                      TREE: gl.constexpr):  # fmt: skip
     """Warpgroup W's rows of each of this program's tiles (its Q tiles come through q_ring). It multiplies only
     the key tiles its rows see (causal, a tile of three warpgroups' rows streams more than its first warpgroup
     needs) and lets the others go by, as it does a whole tile whose rows start past the sequence's end. The
@@ -403,7 +433,7 @@ def _forward_consumer(outputs, q_ring, k_ring, v_ring, N, H, CU_SEQLENS, units, 
                 _pass(k_ring, v_ring, it, lead)
                 if n_own > 0:
                     acc, m_i, l_i = _attend(q_smem, q_ring, k_ring, v_ring, done, it + lead, first_row, own0, n_own,
-                                            qk_scale, window_left, CAUSAL, LEFT, BLOCK_N, D)  # fmt: skip
+                                            qk_scale, window_left, CAUSAL, LEFT, BLOCK_N, D, TREE)  # fmt: skip
                     acc = acc / gl.expand_dims(gl.convert_layout(l_i, rows_o), 1)
                     lse = LSE + b * stride_lb + h * stride_lh + lse0 + first_row
                     gl.store(lse + gl.arange(0, BLOCK_M, rows_s), (m_i + gl.log2(l_i)) * LN2)
@@ -437,7 +467,7 @@ def attention_forward_sm90_kernel(
     q_desc, k_desc, v_desc, o_desc, O, stride_o, LSE, stride_lb, stride_lh, N, H, GROUP, qk_scale, window_left,
     CU_SEQLENS, units, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, CONSUMERS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, Q_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
-    V_STAGES: gl.constexpr,
+    V_STAGES: gl.constexpr, TREE_ROWS: gl.constexpr,
 ):  # fmt: skip
     """Persistent: program i of P runs units i, i + P, ... of ``units`` (_forward_tile), a tile being
     CONSUMERS * BLOCK_M query rows of one head (2 or 3 consumer warpgroups of BLOCK_M rows each).
@@ -446,7 +476,8 @@ def attention_forward_sm90_kernel(
     rows; O: the output, rows stride_o apart in that view, stored from registers, or through o_desc (the same
     view, blocks of [BLOCK_M, D]) when that is not None. Rings of shared memory: Q_STAGES tiles per consumer
     warpgroup, K_STAGES K tiles and V_STAGES V tiles (V_j is read a step after K_j, so it can do with fewer).
-    CAUSAL: query i sees keys j <= i, and with LEFT only j >= i - window_left."""
+    CAUSAL: query i sees keys j <= i, and with LEFT only j >= i - window_left. TREE_ROWS: the softmax's row max and
+    sum as trees (_row_max)."""
     k_ring = _ring(_tiles(k_desc, K_STAGES), CONSUMERS)
     v_ring = _ring(_tiles(v_desc, V_STAGES), CONSUMERS)
     q0 = _ring(_tiles(q_desc, Q_STAGES), 1)
@@ -461,9 +492,11 @@ def attention_forward_sm90_kernel(
         gl.warp_specialize(
             [
                 (_forward_consumer, (outputs, q0, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
-                                     0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D)),
+                                     0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D,
+                                     TREE_ROWS)),
                 (_forward_consumer, (outputs, q1, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
-                                     1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D)),
+                                     1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D,
+                                     TREE_ROWS)),
                 (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1), k_ring, v_ring, N, H, GROUP, CU_SEQLENS, units,
                                      n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N, D)),
             ],
@@ -475,11 +508,14 @@ def attention_forward_sm90_kernel(
         gl.warp_specialize(
             [
                 (_forward_consumer, (outputs, q0, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
-                                     0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D)),
+                                     0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D,
+                                     TREE_ROWS)),
                 (_forward_consumer, (outputs, q1, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
-                                     1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D)),
+                                     1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D,
+                                     TREE_ROWS)),
                 (_forward_consumer, (outputs, q2, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
-                                     2, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D)),
+                                     2, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D,
+                                     TREE_ROWS)),
                 (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1, q2), k_ring, v_ring, N, H, GROUP, CU_SEQLENS,
                                      units, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N, D)),
             ],
