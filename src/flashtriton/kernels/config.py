@@ -79,8 +79,8 @@ class HopperForwardConfig:
 
 @dataclass(frozen=True)
 class HopperBackwardConfig:
-    """The Gluon sm90 backward: one dK/dV kernel that also adds up dQ (fp32 TMA reductions, or atomics with
-    split_d), or, deterministic, the dQ kernel (which also computes delta) and the dK/dV kernel after it."""
+    """The Gluon sm90 backward: one dK/dV kernel that also adds up dQ (fp32 TMA reductions), or, deterministic,
+    the dQ kernel (which also computes delta) and the dK/dV kernel after it."""
 
     dq: HopperForwardConfig | None  # the deterministic dQ kernel's tiles, laid out as the forward's; None: no such
     # kernel (deterministic and short spans run the portable kernels)

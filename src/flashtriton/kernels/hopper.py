@@ -209,7 +209,7 @@ def _halves(x):
 @gluon.jit
 def _row_max(x, TREE: gl.constexpr):
     """gl.max(x, 1), or with TREE over column halves first: Triton reduces a thread's elements of a row in one chain
-    of dependent instructions (31 for a row of 128 columns), a tree of halves is 5 + 3 deep (benchmarks/NOTES.md 51)."""
+    of dependent instructions (31 for a row of 128 columns); halving the tile first makes it a tree (NOTES 51)."""
     rows: gl.constexpr = gl.SliceLayout(1, x.type.layout)
     for _ in gl.static_range(x.shape[1].bit_length() - 4 if TREE else 0):
         lo, hi = _halves(x)
@@ -492,11 +492,9 @@ def attention_forward_sm90_kernel(
         gl.warp_specialize(
             [
                 (_forward_consumer, (outputs, q0, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
-                                     0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D,
-                                     TREE_ROWS)),
+                                     0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS)),
                 (_forward_consumer, (outputs, q1, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
-                                     1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D,
-                                     TREE_ROWS)),
+                                     1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS)),
                 (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1), k_ring, v_ring, N, H, GROUP, CU_SEQLENS, units,
                                      n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N, D)),
             ],
@@ -508,14 +506,11 @@ def attention_forward_sm90_kernel(
         gl.warp_specialize(
             [
                 (_forward_consumer, (outputs, q0, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
-                                     0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D,
-                                     TREE_ROWS)),
+                                     0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS)),
                 (_forward_consumer, (outputs, q1, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
-                                     1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D,
-                                     TREE_ROWS)),
+                                     1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS)),
                 (_forward_consumer, (outputs, q2, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
-                                     2, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D,
-                                     TREE_ROWS)),
+                                     2, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS)),
                 (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1, q2), k_ring, v_ring, N, H, GROUP, CU_SEQLENS,
                                      units, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N, D)),
             ],
