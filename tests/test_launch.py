@@ -1,5 +1,6 @@
-"""flashtriton.launch: its launch key separates whatever Triton specialises a kernel on, and on a Hopper GPU
-repeated calls launch without Triton's per-call binding and reproduce the first call's results."""
+"""flashtriton.launch: its launch key separates whatever Triton specialises a kernel on; a Plan replays a call's
+allocations and launches with a later call's tensors; on a Hopper GPU repeated calls launch without Triton's
+per-call binding, replay their plans, and reproduce the first call's results."""
 
 import itertools
 
@@ -52,9 +53,57 @@ def test_launch_key_refuses_unknown_arguments():
         launch._spec([1, 2])
 
 
-@pytest.mark.skipif(
+class _Bound:
+    """Stands for a launch.Bound: keeps the tensors each launch got."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, tensors):
+        self.calls.append(tensors)
+
+
+def test_plan_replays_allocations_and_launches_with_the_new_calls_tensors():
+    q, k = torch.randn(2, 3), torch.randn(2, 3)
+    first, second = _Bound(), _Bound()
+    recorder = launch.Recorder(q=q, k=k)
+    out = recorder.empty("out", (2, 5), torch.float16, torch.device("cpu"))
+    sums = recorder.empty("sums", [4], torch.float32, torch.device("cpu"), zeroed=True)
+    recorder.add((first, [k, out, q]))
+    recorder.add((second, [sums, out]))
+    plan = recorder.plan()
+
+    q2, k2 = torch.randn(2, 3), torch.randn(2, 3)
+    sums.fill_(7)  # the recorded call's buffer is not the next call's
+    made = plan(q=q2, k=k2)
+    assert made["out"].shape == (2, 5) and made["out"].dtype == torch.float16 and made["out"] is not out
+    assert torch.equal(made["sums"], torch.zeros(4)) and made["sums"] is not sums
+    assert first.calls == [[k2, made["out"], q2]]
+    assert second.calls == [[made["sums"], made["out"]]]
+
+
+def test_a_call_is_not_replayable_if_a_launch_read_another_tensor():
+    q, k = torch.randn(2, 3), torch.randn(2, 3)
+    cases = {
+        "a copy": lambda recorder: recorder.add((_Bound(), [q.clone()])),
+        "no bound": lambda recorder: recorder.add((None, [])),
+    }
+    for why, launch_it in cases.items():
+        recorder = launch.Recorder(q=q, k=k)
+        launch_it(recorder)
+        assert recorder.plan() is None, why
+    # one tensor under two names: a replay could not tell which slot takes which
+    recorder = launch.Recorder(q=q, k=q)
+    recorder.add((_Bound(), [q]))
+    assert recorder.plan() is None
+
+
+hopper = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU"
 )
+
+
+@hopper
 def test_hopper_repeat_calls_skip_tritons_binding(monkeypatch):
     runs = []
     run = JITFunction.run
@@ -76,3 +125,48 @@ def test_hopper_repeat_calls_skip_tritons_binding(monkeypatch):
         assert runs == []
         for x, y in zip(first, again, strict=True):
             assert torch.equal(x, y)
+
+
+def _poison_allocator():
+    """Leaves NaNs where the caching allocator will place the next large tensors: outputs a replay did not write
+    would show."""
+    torch.full((1 << 24,), float("nan"), device="cuda")  # freed at once; the allocator keeps its block
+
+
+@hopper
+@pytest.mark.parametrize(
+    "head_dim, seqlen, causal",
+    [(128, 512, True), (64, 512, False), (256, 256, True)],  # backward: dQ's own pass; fused; fused, D split
+)
+def test_hopper_plans_replay_the_first_calls_launches(head_dim, seqlen, causal, monkeypatch):
+    monkeypatch.setattr(triton_backend, "_PLANS", {})
+    replays = []
+    replay = launch.Plan.__call__
+    monkeypatch.setattr(launch.Plan, "__call__", lambda self, **kw: replays.append(1) or replay(self, **kw))
+
+    def step():
+        torch.manual_seed(0)
+        shapes = [(2, seqlen, h, head_dim) for h in (4, 2, 2)]
+        q, k, v = (torch.randn(s, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s in shapes)
+        _poison_allocator()
+        out = flash_attn_func(q, k, v, causal=causal)
+        _poison_allocator()
+        out.backward(torch.randn_like(out))
+        return out, q.grad, k.grad, v.grad
+
+    allocated = torch.cuda.memory_allocated()
+    first = step()  # records a plan for the forward and one for the backward
+    assert len(triton_backend._PLANS) == 2 and replays == []
+    replayed = step()
+    assert len(replays) == 2
+    monkeypatch.setattr(triton_backend, "_plan_key", lambda *args: None)
+    unplanned = step()
+    for name, a, b, c in zip(("out", "dq", "dk", "dv"), first, replayed, unplanned, strict=True):
+        assert not a.isnan().any(), name
+        if name == "dq" and head_dim != 128:  # the fused kernels add dQ's shares up in no fixed order
+            torch.testing.assert_close(b, a, atol=1e-2, rtol=1e-2)
+            torch.testing.assert_close(c, a, atol=1e-2, rtol=1e-2)
+        else:
+            assert torch.equal(b, a) and torch.equal(c, a), name
+    del first, replayed, unplanned, a, b, c
+    assert torch.cuda.memory_allocated() == allocated  # the plans keep no tensor of the calls they came from

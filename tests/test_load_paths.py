@@ -86,11 +86,20 @@ def test_inference_mode_masks_and_cu_seqlens():
         assert torch.isfinite(out).all()
 
 
-def test_ops_module_routes_plain_tensors_to_the_eager_function():
-    q, k, v = (torch.randn(1, 5, 1, 16) for _ in range(3))
+def test_ops_module_routes_plain_tensors_past_the_custom_ops(monkeypatch):
+    """Plain eager tensors never reach the torch.library ops: with a gradient to take they go through the
+    autograd.Function, without one straight to the computation (no autograd node)."""
     seen = []
-    original = ops._EagerAttention.apply
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(ops._EagerAttention, "apply", lambda *a: seen.append(1) or original(*a))
-        flash_attn_func(q, k, v)
-    assert seen
+    function = ops._EagerAttention.apply
+    monkeypatch.setattr(ops._EagerAttention, "apply", lambda *a: seen.append("function") or function(*a))
+    monkeypatch.setattr(ops, "attention_forward", lambda *a: seen.append("op"))
+    for requires_grad in (True, False):
+        seen.clear()
+        q, k, v = (torch.randn(1, 5, 1, 16, requires_grad=requires_grad) for _ in range(3))
+        out = flash_attn_func(q, k, v)
+        assert seen == (["function"] if requires_grad else [])
+        assert out.requires_grad == requires_grad and torch.isfinite(out).all()
+    with torch.no_grad():
+        seen.clear()
+        assert not flash_attn_func(q.requires_grad_(), k, v).requires_grad
+        assert seen == []

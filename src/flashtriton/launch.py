@@ -15,14 +15,23 @@ compiled kernel under a key of what Triton specialises on and calls it directly:
 A key seen for the first time goes through Triton's own path, which compiles or finds the kernel and
 launches it. With a launch hook set (a profiler's; benchmarks/compile_sm90.py's), every call takes
 Triton's path and nothing is kept.
+
+Even so a small call spends more time on the host than its kernels take on the GPU (NOTES 53): the key
+itself, Triton's launcher expanding each descriptor and filling its TMA map, and the backend's choices
+around the launch. So a call can also be kept whole: ``Launcher.bind`` launches and returns a ``Bound``,
+the C launcher's argument list with a slot per tensor, and a ``Recorder`` notes a call's allocations and
+bound launches as a ``Plan`` that later calls of the same layout replay with their own tensors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import BuiltinFunctionType
 from typing import Any, NamedTuple
 
 import torch
 from triton import knobs
+from triton.backends.nvidia.driver import make_tensordesc_arg
 from triton.experimental.gluon.language import NVMMASharedLayout
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.runtime import driver
@@ -71,21 +80,38 @@ def _spec(x: Any) -> Any:
     return spec(x)
 
 
+def hooked() -> bool:
+    """A launch hook is set (Triton's default is an empty HookChain): every launch must go through Triton."""
+    hook = knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 class Launcher:
     """``Launcher(kernel)[grid](*args, **kwargs)`` runs like ``kernel[grid](...)``, Descriptor arguments
-    standing for Gluon tensor descriptors."""
+    standing for Gluon tensor descriptors; ``Launcher(kernel).bind(grid)(...)`` also returns the launch's
+    Bound and the tensors in its slots, or (None, []) where Triton launched it. A kernel that Triton's
+    interpreter runs goes through it every time."""
 
     def __init__(self, fn: JITFunction):
         self.fn = fn
         self.names = fn.arg_names
-        self.constexpr = tuple(p.is_constexpr for p in fn.params)
-        self.defaults = {p.name: p.default for p in fn.params if p.has_default}
+        params = getattr(fn, "params", None)  # an interpreted function has none: nothing to specialise
+        self.constexpr = None if params is None else tuple(p.is_constexpr for p in params)
+        self.defaults = {} if params is None else {p.name: p.default for p in params if p.has_default}
         self.kernels: dict[tuple, Any] = {}
 
     def __getitem__(self, grid: tuple[int, ...]):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
-    def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+    def bind(self, grid: tuple[int, ...]):
+        return lambda *args, **kwargs: Bound.of(*self.launch(grid, args, kwargs), grid)
+
+    def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> tuple[Any, list, int]:
+        """Launches; returns the compiled kernel (None where none is kept: a launch hook, a background
+        compile, the interpreter), the argument values and the device."""
+        if self.constexpr is None:
+            self.fn[grid](*args, **kwargs)
+            return None, [], 0
         rest = self.names[len(args) :]
         values = [*args, *(kwargs.pop(name) if name in kwargs else self.defaults[name] for name in rest)]
         device = driver.active.get_current_device()
@@ -95,14 +121,135 @@ class Launcher:
             tuple(kwargs.items()),
         )
         kernel = self.kernels.get(key)
-        hook = knobs.runtime.launch_enter_hook  # Triton's default: an empty HookChain
-        hooked = hook is not None and bool(getattr(hook, "calls", True))
-        if kernel is None or hooked:
-            values = [v.gluon() if isinstance(v, Descriptor) else v for v in values]
-            kernel = self.fn.run(*values, grid=grid, warmup=False, **kwargs)
-            if kernel is not None and not hooked:  # None: compiling in the background
-                self.kernels[key] = kernel
-            return
+        if kernel is None or hooked():
+            gluon = [v.gluon() if isinstance(v, Descriptor) else v for v in values]
+            kernel = self.fn.run(*gluon, grid=grid, warmup=False, **kwargs)
+            if kernel is None or hooked():  # None: compiling in the background
+                return None, values, device
+            self.kernels[key] = kernel
+            return kernel, values, device
         stream = driver.active.get_current_stream(device)
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
         kernel.run(grid_x, grid_y, grid_z, stream, kernel.function, kernel.packed_metadata, None, None, None, *values)
+        return kernel, values, device
+
+
+class _Maps:
+    """A descriptor slot's TMA maps by base address: a map is a function of the address, the layout and the block
+    alone, and the layout and block are the slot's."""
+
+    def __init__(self, descriptor: Descriptor, meta: dict):
+        self.descriptor, self.meta = descriptor._replace(base=None), meta  # a plan must not keep its call's tensors
+        self.maps: dict[int, Any] = {}
+
+    def __call__(self, base: torch.Tensor) -> Any:
+        address = base.data_ptr()
+        tensor_map = self.maps.get(address)
+        if tensor_map is None:
+            if len(self.maps) >= 16:  # the caching allocator hands a loop a few addresses; others come and go
+                self.maps.clear()
+            tensor_map = make_tensordesc_arg(self.descriptor._replace(base=base), self.meta)[0]
+            self.maps[address] = tensor_map
+        return tensor_map
+
+
+class Bound:
+    """One compiled kernel's launch with everything but its tensors fixed: Triton's C launcher's argument list
+    (what its Python wrapper builds per launch: the base arguments, each descriptor expanded into its TMA map,
+    shape and strides), with a slot per tensor argument and per descriptor's map.
+
+    Built from Triton 3.6's launcher (``CompiledKernel.run``: a ``CudaLauncher``, whose ``launch`` wraps the C
+    entry point in a closure that expands descriptors); where that is not its shape, or the kernel needs scratch
+    memory, there is no Bound and calls take Launcher's path."""
+
+    def __init__(self, c_launch: Callable, template: list, slots: list[tuple[int, _Maps | None]], device: int):
+        self.c_launch, self.template, self.slots, self.device = c_launch, template, slots, device
+
+    @classmethod
+    def of(cls, kernel: Any, values: list, device: int, grid: tuple[int, ...]) -> tuple[Bound | None, list]:
+        """The Bound of a launch of ``kernel`` with these values, and the tensors that filled its slots."""
+        if kernel is None:
+            return None, []
+        run = kernel.run
+        if run.global_scratch_size or run.profile_scratch_size:
+            return None, []
+        c_launch, descriptors, metas = run.launch, set(), []
+        if not isinstance(c_launch, BuiltinFunctionType):  # wrapped: the kernel takes descriptors
+            free = c_launch.__code__.co_freevars
+            cells = {name: cell.cell_contents for name, cell in zip(free, c_launch.__closure__ or (), strict=True)}
+            c_launch, descriptors, metas = (cells.get(n) for n in ("launcher", "tensordesc_indices", "tensordesc_meta"))
+            if not isinstance(c_launch, BuiltinFunctionType) or not metas or None in metas:
+                return None, []
+        grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
+        template = [grid_x, grid_y, grid_z, None, kernel.function, run.launch_cooperative_grid, run.launch_pdl]
+        template += [None, None, kernel.packed_metadata, None, None, None]  # scratch, metadata, hooks
+        slots, tensors, metas = [], [], iter(metas)
+        for i, value in enumerate(values):
+            if i in descriptors:
+                meta = next(metas)
+                slots.append((len(template), _Maps(value, meta)))
+                tensors.append(value.base)
+                template += [None, *make_tensordesc_arg(value, meta)[1:]]
+            elif isinstance(value, torch.Tensor):
+                slots.append((len(template), None))
+                tensors.append(value)
+                template.append(None)
+            elif isinstance(value, (tuple, list)):
+                return None, []  # tuples are flattened by the launcher: not slotted here
+            else:
+                template.append(value)
+        return cls(c_launch, template, slots, device), tensors
+
+    def __call__(self, tensors: list[torch.Tensor]) -> None:
+        """Launches with these tensors in the slots, in the order ``Bound.of`` returned the first call's."""
+        args = self.template.copy()
+        args[3] = driver.active.get_current_stream(self.device)
+        for (position, maps), x in zip(self.slots, tensors, strict=True):
+            args[position] = x if maps is None else maps(x)
+        self.c_launch(*args)
+
+
+class Plan(NamedTuple):
+    """One call's allocations and launches, for later calls of the same layout: ``plan(**inputs)`` allocates as
+    the call did, launches each Bound with the tensors named in its slots, and returns every tensor by name."""
+
+    allocations: tuple[tuple[str, tuple[int, ...], torch.dtype, torch.device, bool], ...]
+    launches: tuple[tuple[Bound, tuple[str, ...]], ...]
+
+    def __call__(self, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+        for name, shape, dtype, device, zeroed in self.allocations:
+            tensors[name] = (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
+        for bound, names in self.launches:
+            bound([tensors[name] for name in names])
+        return tensors
+
+
+class Recorder:
+    """Notes a call's allocations (``empty``) and bound launches (``add``), naming each slot's tensor among the
+    call's inputs and allocations by identity; ``plan()`` is the Plan, or None if something launched had no
+    Bound or a slot held another tensor (a conversion's copy, say)."""
+
+    def __init__(self, **inputs: torch.Tensor):
+        self.tensors = dict(inputs)
+        self.allocations: list[tuple] = []
+        self.launches: list[tuple[Bound, tuple[str, ...]]] = []
+        self.replayable = len({id(x) for x in inputs.values()}) == len(inputs)  # a tensor passed twice: ambiguous
+
+    def empty(self, name: str, shape, dtype: torch.dtype, device: torch.device, zeroed: bool = False) -> torch.Tensor:
+        shape = tuple(shape)
+        x = (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
+        self.allocations.append((name, shape, dtype, device, zeroed))
+        self.tensors[name] = x
+        return x
+
+    def add(self, launch: tuple[Bound | None, list[torch.Tensor]]) -> None:
+        bound, tensors = launch
+        names = {id(x): name for name, x in self.tensors.items()}
+        slots = tuple(names.get(id(x)) for x in tensors)
+        if bound is None or None in slots:
+            self.replayable = False
+        else:
+            self.launches.append((bound, slots))
+
+    def plan(self) -> Plan | None:
+        return Plan(tuple(self.allocations), tuple(self.launches)) if self.replayable else None

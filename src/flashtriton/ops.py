@@ -265,4 +265,6 @@ def attention(
         params = replace(params, dropout_seed=int(dropout_seed.item()))
     if deterministic:
         params = replace(params, deterministic=True)
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return _forward(q, k, v, params)  # nothing to differentiate: no autograd node, no saved tensors
     return _EagerAttention.apply(q, k, v, params)
