@@ -92,10 +92,16 @@ def test_a_call_is_not_replayable_if_a_launch_read_another_tensor():
         recorder = launch.Recorder(q=q, k=k)
         launch_it(recorder)
         assert recorder.plan() is None, why
-    # one tensor under two names: a replay could not tell which slot takes which
-    recorder = launch.Recorder(q=q, k=q)
-    recorder.add((_Bound(), [q]))
-    assert recorder.plan() is None
+
+
+def test_a_tensor_passed_twice_fills_its_slots_by_its_first_name():
+    q, kv = torch.randn(2, 3), torch.randn(2, 3)
+    bound = _Bound()
+    recorder = launch.Recorder(q=q, k=kv, v=kv)  # the plan's key holds that k is v
+    recorder.add((bound, [kv, q, kv]))
+    a, b = torch.randn(2, 3), torch.randn(2, 3)
+    recorder.plan()(q=a, k=b, v=b)
+    assert bound.calls == [[b, a, b]]
 
 
 hopper = pytest.mark.skipif(
@@ -105,6 +111,7 @@ hopper = pytest.mark.skipif(
 
 @hopper
 def test_hopper_repeat_calls_skip_tritons_binding(monkeypatch):
+    monkeypatch.setattr(triton_backend, "_plan_key", lambda *args: None)  # Launcher's own path, without plans
     runs = []
     run = JITFunction.run
     monkeypatch.setattr(JITFunction, "run", lambda self, *a, **kw: runs.append(self.fn.__name__) or run(self, *a, **kw))
@@ -127,10 +134,15 @@ def test_hopper_repeat_calls_skip_tritons_binding(monkeypatch):
             assert torch.equal(x, y)
 
 
-def _poison_allocator():
-    """Leaves NaNs where the caching allocator will place the next large tensors: outputs a replay did not write
-    would show."""
-    torch.full((1 << 24,), float("nan"), device="cuda")  # freed at once; the allocator keeps its block
+def _poisoned_empty(monkeypatch):
+    """torch.empty fills floating tensors with NaN: an output a replay did not write would show."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", poisoned)
 
 
 @hopper
@@ -143,30 +155,40 @@ def test_hopper_plans_replay_the_first_calls_launches(head_dim, seqlen, causal, 
     replays = []
     replay = launch.Plan.__call__
     monkeypatch.setattr(launch.Plan, "__call__", lambda self, **kw: replays.append(1) or replay(self, **kw))
+    _poisoned_empty(monkeypatch)
+    planned_key = triton_backend._plan_key
 
-    def step():
-        torch.manual_seed(0)
-        shapes = [(2, seqlen, h, head_dim) for h in (4, 2, 2)]
-        q, k, v = (torch.randn(s, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s in shapes)
-        _poison_allocator()
+    def step(seed: int, layout: str, plans: bool = True):
+        monkeypatch.setattr(triton_backend, "_plan_key", planned_key if plans else lambda *args: None)
+        torch.manual_seed(seed)
+        heads = (4, 2, 2)
+        if layout == "packed":  # q, k, v as views of one (batch, seqlen, 3, heads, head_dim) tensor: other strides
+            qkv = torch.randn(2, seqlen, 3, 2, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            q, k, v = qkv.unbind(2)
+            leaves = [qkv]
+        else:
+            q, k, v = (torch.randn(2, seqlen, h, head_dim, device="cuda", dtype=torch.bfloat16) for h in heads)
+            if layout == "k is v":
+                v = k
+            leaves = [x.requires_grad_() for x in {id(x): x for x in (q, k, v)}.values()]
         out = flash_attn_func(q, k, v, causal=causal)
-        _poison_allocator()
         out.backward(torch.randn_like(out))
-        return out, q.grad, k.grad, v.grad
+        return [out, *(x.grad for x in leaves)]
 
     allocated = torch.cuda.memory_allocated()
-    first = step()  # records a plan for the forward and one for the backward
-    assert len(triton_backend._PLANS) == 2 and replays == []
-    replayed = step()
-    assert len(replays) == 2
-    monkeypatch.setattr(triton_backend, "_plan_key", lambda *args: None)
-    unplanned = step()
-    for name, a, b, c in zip(("out", "dq", "dk", "dv"), first, replayed, unplanned, strict=True):
-        assert not a.isnan().any(), name
-        if name == "dq" and head_dim != 128:  # the fused kernels add dQ's shares up in no fixed order
-            torch.testing.assert_close(b, a, atol=1e-2, rtol=1e-2)
-            torch.testing.assert_close(c, a, atol=1e-2, rtol=1e-2)
-        else:
-            assert torch.equal(b, a) and torch.equal(c, a), name
-    del first, replayed, unplanned, a, b, c
+    for layout in ("plain", "packed", "k is v"):
+        replays.clear()
+        step(0, layout)  # records a plan for the forward and one for the backward
+        assert replays == []
+        replayed = step(1, layout)  # other inputs, other addresses
+        assert len(replays) == 2
+        unplanned = step(1, layout, plans=False)
+        for i, (a, b) in enumerate(zip(replayed, unplanned, strict=True)):
+            assert not a.isnan().any(), (layout, i)
+            if i == 1 and head_dim != 128:  # dq of the fused kernels: its shares are added up in no fixed order
+                torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
+            else:
+                assert torch.equal(a, b), (layout, i)
+    assert len(triton_backend._PLANS) == 6  # the three layouts are three keys
+    del replayed, unplanned, a, b
     assert torch.cuda.memory_allocated() == allocated  # the plans keep no tensor of the calls they came from

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.autograd import forward_ad
 
 from flashtriton import create_block_mask, flash_attn_func, flash_attn_varlen_func, ops, triton_backend
 from flashtriton.kernels import config
@@ -103,3 +104,15 @@ def test_ops_module_routes_plain_tensors_past_the_custom_ops(monkeypatch):
         seen.clear()
         assert not flash_attn_func(q.requires_grad_(), k, v).requires_grad
         assert seen == []
+
+
+def test_calls_that_need_no_gradient_keep_autograds_rules():
+    q, k, v = (torch.randn(1, 7, 2, 16) for _ in range(3))
+    # no gradient reaches ALiBi slopes, whether or not q, k, v take one
+    slopes = torch.rand(2, requires_grad=True)
+    assert not flash_attn_func(q, k, v, alibi_slopes=slopes).requires_grad
+    # forward-mode AD is refused, not answered with a zero tangent
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(q, torch.randn_like(q))
+        with pytest.raises(RuntimeError, match="jvp"):
+            flash_attn_func(dual, k, v)

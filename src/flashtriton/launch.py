@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 from triton import knobs
+from triton.backends.nvidia import driver as nvidia_driver
 from triton.backends.nvidia.driver import make_tensordesc_arg
 from triton.experimental.gluon.language import NVMMASharedLayout
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
@@ -82,8 +83,8 @@ def _spec(x: Any) -> Any:
 
 def hooked() -> bool:
     """A launch hook is set (Triton's default is an empty HookChain): every launch must go through Triton."""
-    hook = knobs.runtime.launch_enter_hook
-    return hook is not None and bool(getattr(hook, "calls", True))
+    hooks = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return any(hook is not None and bool(getattr(hook, "calls", True)) for hook in hooks)
 
 
 class Launcher:
@@ -153,14 +154,18 @@ class _Maps:
         return tensor_map
 
 
+# grid x, y, z, stream, function, cooperative, PDL, two scratch buffers, metadata, launch metadata, two hooks
+_BASE_ARGS = "iiiKKppOOOOOO"
+
+
 class Bound:
     """One compiled kernel's launch with everything but its tensors fixed: Triton's C launcher's argument list
     (what its Python wrapper builds per launch: the base arguments, each descriptor expanded into its TMA map,
     shape and strides), with a slot per tensor argument and per descriptor's map.
 
     Built from Triton 3.6's launcher (``CompiledKernel.run``: a ``CudaLauncher``, whose ``launch`` wraps the C
-    entry point in a closure that expands descriptors); where that is not its shape, or the kernel needs scratch
-    memory, there is no Bound and calls take Launcher's path."""
+    entry point in a closure that expands descriptors, after 13 base arguments); where that is not its shape
+    (another Triton), or the kernel needs scratch memory, there is no Bound and calls take Launcher's path."""
 
     def __init__(self, c_launch: Callable, template: list, slots: list[tuple[int, _Maps | None]], device: int):
         self.c_launch, self.template, self.slots, self.device = c_launch, template, slots, device
@@ -171,10 +176,14 @@ class Bound:
         if kernel is None:
             return None, []
         run = kernel.run
+        if nvidia_driver._BASE_ARGS_FORMAT != _BASE_ARGS or type(run).__name__ != "CudaLauncher":
+            return None, []
         if run.global_scratch_size or run.profile_scratch_size:
             return None, []
         c_launch, descriptors, metas = run.launch, set(), []
         if not isinstance(c_launch, BuiltinFunctionType):  # wrapped: the kernel takes descriptors
+            if getattr(c_launch, "__code__", None) is None:
+                return None, []
             free = c_launch.__code__.co_freevars
             cells = {name: cell.cell_contents for name, cell in zip(free, c_launch.__closure__ or (), strict=True)}
             c_launch, descriptors, metas = (cells.get(n) for n in ("launcher", "tensordesc_indices", "tensordesc_meta"))
@@ -226,14 +235,15 @@ class Plan(NamedTuple):
 
 class Recorder:
     """Notes a call's allocations (``empty``) and bound launches (``add``), naming each slot's tensor among the
-    call's inputs and allocations by identity; ``plan()`` is the Plan, or None if something launched had no
-    Bound or a slot held another tensor (a conversion's copy, say)."""
+    call's inputs and allocations by identity (a tensor passed twice by its first name: the plan's key must then
+    hold which inputs are one tensor); ``plan()`` is the Plan, or None if something launched had no Bound or a
+    slot held another tensor (a conversion's copy, say)."""
 
     def __init__(self, **inputs: torch.Tensor):
         self.tensors = dict(inputs)
         self.allocations: list[tuple] = []
         self.launches: list[tuple[Bound, tuple[str, ...]]] = []
-        self.replayable = len({id(x) for x in inputs.values()}) == len(inputs)  # a tensor passed twice: ambiguous
+        self.replayable = True
 
     def empty(self, name: str, shape, dtype: torch.dtype, device: torch.device, zeroed: bool = False) -> torch.Tensor:
         shape = tuple(shape)
@@ -244,7 +254,9 @@ class Recorder:
 
     def add(self, launch: tuple[Bound | None, list[torch.Tensor]]) -> None:
         bound, tensors = launch
-        names = {id(x): name for name, x in self.tensors.items()}
+        names: dict[int, str] = {}
+        for name, x in self.tensors.items():
+            names.setdefault(id(x), name)
         slots = tuple(names.get(id(x)) for x in tensors)
         if bound is None or None in slots:
             self.replayable = False

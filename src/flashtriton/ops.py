@@ -20,6 +20,7 @@ from dataclasses import replace
 from types import ModuleType
 
 import torch
+from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import torch_backend
@@ -265,6 +266,8 @@ def attention(
         params = replace(params, dropout_seed=int(dropout_seed.item()))
     if deterministic:
         params = replace(params, deterministic=True)
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        return _forward(q, k, v, params)  # nothing to differentiate: no autograd node, no saved tensors
+    differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if not differentiable and forward_ad._current_level < 0:  # dual tensors go to the Function, which refuses them
+        with torch.no_grad():  # as in the Function: no gradient reaches ALiBi slopes or a mod's tensors
+            return _forward(q, k, v, params)  # no autograd node, no saved tensors
     return _EagerAttention.apply(q, k, v, params)

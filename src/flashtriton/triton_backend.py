@@ -168,19 +168,22 @@ _DQ_SM90 = Launcher(hopper.attention_backward_dq_sm90_kernel)
 _PREPROCESS = Launcher(attention_backward_preprocess_kernel)
 
 # Replayable calls by layout (launch.Plan): a small call's host time is otherwise about its GPU time (NOTES 53).
+# A plan holds the choices of kernels/config.py's tables when it was recorded: a sweep that changes them at run
+# time must clear this.
 _PLANS: dict[tuple, Plan] = {}
-_MAX_PLANS = 64
+_MAX_PLANS = 256
 
 
 def _plan_key(kind: str, p: AttentionParams, *tensors: torch.Tensor) -> tuple | None:
     """What every choice between a call's arguments and its launches depends on (shapes, strides, dtypes, 16-byte
-    alignment, the device, the options), for the calls a Plan may replay: dense CUDA tensors with the features the
-    Gluon kernels take and no launch hook. None for any other call."""
+    alignment, which arguments are one tensor, the device, the options), for the calls a Plan may replay: dense
+    CUDA tensors with the features the Gluon kernels take and no launch hook. None for any other call."""
     q = tensors[0]
-    if q.device.type != "cuda" or p.varlen or not _plain(p) or p.block_mask is not None or hooked():
+    if q.device.type != "cuda" or p.varlen or not _plain(p) or p.block_mask is not None or hooked() or interpreting():
         return None
     layout = tuple((x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0) for x in tensors)
-    return kind, p, q.device, torch.cuda.current_device(), layout
+    ids = [id(x) for x in tensors]
+    return kind, p, q.device, torch.cuda.current_device(), layout, tuple(map(ids.index, ids))
 
 
 def _keep(key: tuple | None, recorder: Recorder) -> None:
@@ -188,7 +191,7 @@ def _keep(key: tuple | None, recorder: Recorder) -> None:
     if key is None or plan is None:
         return
     if len(_PLANS) >= _MAX_PLANS:
-        del _PLANS[next(iter(_PLANS))]  # the oldest
+        _PLANS.pop(next(iter(_PLANS)), None)  # the oldest
     _PLANS[key] = plan
 
 
