@@ -218,6 +218,10 @@ class Bound:
         self.c_launch(*args)
 
 
+def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, zeroed: bool) -> torch.Tensor:
+    return (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
+
+
 class Plan(NamedTuple):
     """One call's allocations and launches, for later calls of the same layout: ``plan(**inputs)`` allocates as
     the call did, launches each Bound with the tensors named in its slots, and returns every tensor by name."""
@@ -227,7 +231,7 @@ class Plan(NamedTuple):
 
     def __call__(self, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
         for name, shape, dtype, device, zeroed in self.allocations:
-            tensors[name] = (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
+            tensors[name] = _allocate(shape, dtype, device, zeroed)
         for bound, names in self.launches:
             bound([tensors[name] for name in names])
         return tensors
@@ -247,7 +251,7 @@ class Recorder:
 
     def empty(self, name: str, shape, dtype: torch.dtype, device: torch.device, zeroed: bool = False) -> torch.Tensor:
         shape = tuple(shape)
-        x = (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
+        x = _allocate(shape, dtype, device, zeroed)
         self.allocations.append((name, shape, dtype, device, zeroed))
         self.tensors[name] = x
         return x
