@@ -175,6 +175,8 @@ def test_hopper_plans_replay_the_first_calls_launches(head_dim, seqlen, causal, 
         out.backward(torch.randn_like(out))
         return [out, *(x.grad for x in leaves)]
 
+    for layout in ("plain", "packed"):  # what the backend caches for the process: a causal forward's schedule
+        step(2, layout, plans=False)
     allocated = torch.cuda.memory_allocated()
     for layout in ("plain", "packed", "k is v"):
         replays.clear()

@@ -224,12 +224,15 @@ def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, 
 
 class Plan(NamedTuple):
     """One call's allocations and launches, for later calls of the same layout: ``plan(**inputs)`` allocates as
-    the call did, launches each Bound with the tensors named in its slots, and returns every tensor by name."""
+    the call did, launches each Bound with the tensors named in its slots, and returns every tensor by name.
+    ``constants`` are tensors that every call of the layout reads (a cached schedule), held by name."""
 
     allocations: tuple[tuple[str, tuple[int, ...], torch.dtype, torch.device, bool], ...]
     launches: tuple[tuple[Bound, tuple[str, ...]], ...]
+    constants: tuple[tuple[str, torch.Tensor], ...] = ()
 
     def __call__(self, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+        tensors.update(self.constants)
         for name, shape, dtype, device, zeroed in self.allocations:
             tensors[name] = _allocate(shape, dtype, device, zeroed)
         for bound, names in self.launches:
@@ -245,6 +248,7 @@ class Recorder:
 
     def __init__(self, **inputs: torch.Tensor):
         self.tensors = dict(inputs)
+        self.constants: dict[str, torch.Tensor] = {}
         self.allocations: list[tuple] = []
         self.launches: list[tuple[Bound, tuple[str, ...]]] = []
         self.replayable = True
@@ -254,6 +258,12 @@ class Recorder:
         x = _allocate(shape, dtype, device, zeroed)
         self.allocations.append((name, shape, dtype, device, zeroed))
         self.tensors[name] = x
+        return x
+
+    def constant(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """x, a tensor that the plan may hold and pass to every call: one that depends on the layout alone and
+        that a cache keeps for the process anyway (a schedule), never one of the call's inputs or outputs."""
+        self.tensors[name] = self.constants[name] = x
         return x
 
     def add(self, launch: tuple[Bound | None, list[torch.Tensor]]) -> None:
@@ -268,4 +278,6 @@ class Recorder:
             self.launches.append((bound, slots))
 
     def plan(self) -> Plan | None:
-        return Plan(tuple(self.allocations), tuple(self.launches)) if self.replayable else None
+        if not self.replayable:
+            return None
+        return Plan(tuple(self.allocations), tuple(self.launches), tuple(self.constants.items()))

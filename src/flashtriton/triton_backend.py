@@ -14,7 +14,7 @@ from triton import knobs
 from triton.experimental.gluon import language as gl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import dropout
+from . import dropout, schedule
 from .block_mask import BlockMask
 from .kernels import config, hopper
 from .kernels.backward import (
@@ -200,19 +200,58 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperForwardConfig):
-    """The persistent Gluon forward: one program per SM (or per work unit, if fewer) loops over the units
-    (a query tile; causal, a long and a short one: kernels/hopper.py's _forward_tile). The _hopper_* launchers
-    return Launcher.bind's (Bound, tensors), for a Recorder."""
+def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperForwardConfig, recorder: Recorder):
+    """The persistent Gluon forward: one program per SM (or per work unit, if fewer) loops over its query tiles:
+    causal, those that schedule.py's table lists for it (the recorder holds the table), otherwise units i, i + P, ...
+    (kernels/hopper.py's _forward_tile). The _hopper_* launchers return Launcher.bind's (Bound, tensors), for a
+    Recorder."""
     batch, n, common = _hopper_common(q, k, lse, p)
-    tiles = _cdiv(n, cfg.consumers * cfg.block_m)
-    units = (_cdiv(tiles, 2) if common["CAUSAL"] else tiles) * batch * common["H"]
-    return _FORWARD_SM90.bind((min(units, _sm_count(q.device)),))(
+    rows = cfg.consumers * cfg.block_m
+    tiles = _cdiv(n, rows)
+    heads = batch * common["H"]
+    units = (_cdiv(tiles, 2) if common["CAUSAL"] else tiles) * heads
+    programs, table = _forward_schedule(heads, tiles, units, n, cfg, common, p.varlen, q.device)
+    if table is not None:
+        recorder.constant("schedule", table)
+    return _FORWARD_SM90.bind((programs,))(
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
         _gluon_view(out, cfg.block_m, q.shape[3] // cfg.o_pieces) if cfg.stage_o else None, out, out.stride(1),
-        lse, **common, units=units, CONSUMERS=cfg.consumers, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        Q_STAGES=cfg.q_stages, K_STAGES=cfg.stages, V_STAGES=cfg.v_stages or cfg.stages, TREE_ROWS=cfg.tree_rows,
+        lse, **common, units=units, SCHEDULE=table, CONSUMERS=cfg.consumers, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, Q_STAGES=cfg.q_stages, K_STAGES=cfg.stages, V_STAGES=cfg.v_stages or cfg.stages,
+        TREE_ROWS=cfg.tree_rows,
     )  # fmt: skip
+
+
+def _forward_schedule(heads, tiles, units, n, cfg, common, varlen, device) -> tuple[int, torch.Tensor | None]:
+    """(programs, schedule.py's table or None) of the persistent forward over ``heads`` heads of ``tiles`` query
+    tiles each (``units`` of _forward_tile's own order)."""
+    sms = _sm_count(device)
+    if not common["CAUSAL"] or varlen or heads * tiles >= 2**30:  # an entry is (tile << 1) | r in 32 bits
+        return min(units, sms), None
+    programs = min(heads * tiles, sms)
+    costs = _tile_costs(n, tiles, cfg, common["window_left"] if common["LEFT"] else None)
+    return programs, _schedule(heads, costs, programs, device)
+
+
+def _tile_costs(n: int, tiles: int, cfg: config.HopperForwardConfig, window_left: int | None) -> tuple[int, ...]:
+    """What each causal query tile of a head costs the forward (longest first): the keys its longest warpgroup
+    streams (as the kernel's _key_tiles counts them) plus config.SCHEDULE_TILE_KEYS."""
+    costs = []
+    for m in reversed(range(tiles)):
+        keys = 0
+        for w in range(cfg.consumers):
+            first_row = (m * cfg.consumers + w) * cfg.block_m
+            if first_row < n:
+                key0 = 0 if window_left is None else max(first_row - window_left, 0) // cfg.block_n
+                keys = max(keys, (_cdiv(min(first_row + cfg.block_m, n), cfg.block_n) - key0) * cfg.block_n)
+        costs.append(keys + config.SCHEDULE_TILE_KEYS)
+    return tuple(costs)
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(heads: int, costs: tuple[int, ...], programs: int, device: torch.device) -> torch.Tensor:
+    table = schedule.causal_forward(heads, costs, programs, config.SCHEDULE_BATCH_ROUNDS * programs)
+    return torch.tensor(table, dtype=torch.int32, device=device)
 
 
 def _lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int]:
@@ -345,7 +384,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
     banded = p.window_left != NO_BOUND or p.window_right != NO_BOUND
     hopper_cfg = config.hopper_forward_config(arch, head_dim, run_dtype, banded=banded, span=_span(p, n_q, n_k))
     if hopper_cfg is not None and _hopper_fits(p, hopper_cfg.rows, q, k, v):
-        recorder.add(_hopper_forward(q, k, v, out, lse, p, hopper_cfg))
+        recorder.add(_hopper_forward(q, k, v, out, lse, p, hopper_cfg, recorder))
         _keep(key, recorder)  # replays return out as it is: a plan's tensors are in their run dtype and shape
         return _user_view(out, shape, out_dtype), lse
     cfg = config.forward_config(arch, head_dim, run_dtype, _span(p, n_q, n_k), _plain(p))

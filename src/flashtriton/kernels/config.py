@@ -201,6 +201,15 @@ _SM90_HOPPER_FORWARD_SHORT_BAND = {
 }
 SHORT_BAND_SPAN = 256
 
+# The causal forward's schedule (schedule.py, NOTES 54): a query tile costs the keys its longest warpgroup streams
+# plus about SCHEDULE_TILE_KEYS keys' worth of start and end (per FLOP the D=64 forward is 10% slower at N=1k than
+# at 16k, where tiles stream 8 and 128 key tiles: NOTES 43); heads are balanced in batches of about
+# SCHEDULE_BATCH_ROUNDS tiles per program. Forward kernel ms (H100, CUDA-graph replay, five rounds, min), batches of
+# one / two rounds / the kernel's own pairs: D=64 causal 1k 0.2032 / 0.2078 / 0.2171, 4k 0.6188 / 0.6242 / 0.6418;
+# D=128 causal 1k 0.1472 / 0.1556 / 0.1514, 4k 0.4291 / 0.4361 / 0.4505, 16k 1.646 / 1.618 / 1.711.
+SCHEDULE_TILE_KEYS = 96
+SCHEDULE_BATCH_ROUNDS = 1
+
 # The Gluon backward on sm90, by head dim (H200, backward kernel times, B * N = 16k, H * D = 2048, same run):
 # D=128 dK/dV with the portable dQ: N=16k 12.59 -> 11.90 ms, causal 6.84 -> 6.53, N=4k 3.30 -> 3.11, 1k 1.00 -> 0.92
 # (2, 3 or 4 slots within 1%); plus the Gluon dQ (64 rows per warpgroup, 128-key tiles, 2 slots): 16k 13.05 ->

@@ -10,7 +10,8 @@ softmax (or dS) arithmetic between its matrix multiplies, so the tensor cores id
              other (except the fused backward's per-step dS exchange), so the SM can run one's arithmetic
              beside another's MMAs (wgmma); explicit ping-pong turns measured no faster (benchmarks/NOTES.md 25).
 
-Forward: persistent, one program per SM looping over query tiles. The consumers own BLOCK_M query rows
+Forward: persistent, one program per SM looping over query tiles (causal: those a table from schedule.py
+lists for it, so that the programs end about together). The consumers own BLOCK_M query rows
 each and stream K/V tiles: S = Q K^T (both from shared memory), P = exp2(S * qk_scale - m), O += P V (P
 from registers). S_j is issued with P_{j-1} V_{j-1} and waited for alone, so that the softmax of tile j
 could run beside that P V; ptxas places the second wait before the exps all the same (SASS, NOTES 26). K and
@@ -248,21 +249,57 @@ def _online_softmax(scores, m_i, l_i, rows, first_row, first_col, qk_scale, wind
 
 
 @gluon.jit
-def _forward_tile(u, r, n_m, N, H, CU_SEQLENS, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
+def _program_tiles(schedule, units, CAUSAL: gl.constexpr):
+    """(where this program's list starts, how many tiles it runs): from schedule = (SCHEDULE,), the table of
+    schedule.py, or with schedule = () units pid, pid + P, ... of _forward_tile's own order, one or (causal) two
+    tiles each."""
+    pid = gl.program_id(0)
+    if len(schedule) == 0:
+        return 0, gl.cdiv(units - pid, gl.num_programs(0)) * (1 + CAUSAL)
+    else:
+        first = gl.load(schedule[0] + pid)
+        return first, gl.load(schedule[0] + pid + 1) - first
+
+
+@gluon.jit
+def _entry(schedule, first, i, count):
+    """This program's i-th tile as _forward_tile takes it: the table's entry, or i itself. i is clamped to the
+    list, so that a read a tile ahead stays inside it."""
+    i = gl.minimum(i, count - 1)
+    if len(schedule) == 0:
+        return i
+    else:
+        return gl.load(schedule[0] + gl.num_programs(0) + 1 + first + i)
+
+
+@gluon.jit
+def _forward_tile(e, schedule, n_m, N, H, CU_SEQLENS, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                   VARLEN: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
-    """Tile r of the persistent grid's work unit u: (whether it has rows, batch, head, first query row in
-    the sequence, the sequence's length, its first row, its first LSE column, then _key_tiles' two). A unit is
-    one query tile of ROWS rows; causal, it is the p-th longest and the p-th shortest query tiles of a head
-    (r = 0, 1; one tile in the middle of an odd count), so that every unit has about the same work."""
-    per_head = n_m
-    if CAUSAL:
-        per_head = (n_m + 1) // 2
-    p = u % per_head
-    pid_m = p + r * (n_m - 1 - 2 * p)  # r = 1: n_m - 1 - p
-    b, h, m0, seq0, n, lse0 = _query_tile(pid_m, u // per_head, n_m, N, H, CU_SEQLENS, CAUSAL, VARLEN, ROWS)
+    """A program's tile e (_entry): (whether it has rows, r, batch, head, first query row in the sequence, the
+    sequence's length, its first row, its first LSE column, then _key_tiles' two). r = 1 marks a tile whose
+    warpgroups take their row blocks in reverse (_block_of). Without a table, unit e // (1 + CAUSAL) of the
+    program is one query tile; causal, the p-th longest and the p-th shortest query tiles of a head (r = 0, 1;
+    one tile in the middle of an odd count), so that every unit has about the same work. With one, e is
+    ((head * n_m + p) << 1) | r, p counting a head's tiles longest first (schedule.py)."""
+    if len(schedule) == 0:
+        u = gl.program_id(0) + e // (1 + CAUSAL) * gl.num_programs(0)
+        r = e % (1 + CAUSAL)
+        per_head = n_m
+        if CAUSAL:
+            per_head = (n_m + 1) // 2
+        p = u % per_head
+        pid_bh = u // per_head
+        pid_m = p + r * (n_m - 1 - 2 * p)  # r = 1: n_m - 1 - p
+        twin = (r == 0) | (2 * p + 1 < n_m)  # the middle tile's twin is no tile
+    else:
+        pid_bh = (e >> 1) // n_m
+        pid_m = (e >> 1) % n_m
+        r = e & 1
+        twin = pid_m >= 0
+    b, h, m0, seq0, n, lse0 = _query_tile(pid_m, pid_bh, n_m, N, H, CU_SEQLENS, CAUSAL, VARLEN, ROWS)
     key0, n_tiles = _key_tiles(m0, ROWS, n, window_left, CAUSAL, LEFT, BLOCK_N)
-    valid = (m0 < n) & ((r == 0) | (2 * p + 1 < n_m))  # past a shorter varlen sequence; the middle tile's twin
-    return valid, b, h, m0, n, seq0, lse0, key0, n_tiles
+    valid = (m0 < n) & twin  # past a shorter varlen sequence
+    return valid, r, b, h, m0, n, seq0, lse0, key0, n_tiles
 
 
 @gluon.jit
@@ -311,32 +348,33 @@ def _ring(bufs, consumers: gl.constexpr):
 
 
 @gluon.jit
-def _forward_producer(q_desc, k_desc, v_desc, q_rings, k_ring, v_ring, N, H, GROUP, CU_SEQLENS, units, n_m,
-                      window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr,
+def _forward_producer(q_desc, k_desc, v_desc, q_rings, k_ring, v_ring, N, H, GROUP, CU_SEQLENS, units, schedule,
+                      n_m, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):  # fmt: skip
     """For each of this program's tiles: each warpgroup's Q tile (into that warpgroup's ring of Q tiles; rows
     past a sequence's end too, which that warpgroup skips), then the tile's K and V tiles into their rings, K_j
     with V_{j-1} (the consumers read V_j a step after K_j)."""
     it = 0
     done = 0
-    for u in range(gl.program_id(0), units, gl.num_programs(0)):
-        for r in range(1 + CAUSAL):
-            valid, _, h, m0, _, seq0, _, key0, n_tiles = _forward_tile(
-                u, r, n_m, N, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN, len(q_rings) * BLOCK_M, BLOCK_N
-            )
-            if valid:
-                for w in gl.static_range(len(q_rings)):
-                    row = seq0 + m0 + _block_of(w, r, len(q_rings), BLOCK_M, BLOCK_N) * BLOCK_M
-                    _fill(q_desc, [row, h * D], q_rings[w], done)
-                kv_row = seq0 + key0
-                col = (h // GROUP) * D
-                _fill(k_desc, [kv_row, col], k_ring, it)
-                for j in range(1, n_tiles):
-                    _fill(k_desc, [kv_row + j * BLOCK_N, col], k_ring, it + j)
-                    _fill(v_desc, [kv_row + (j - 1) * BLOCK_N, col], v_ring, it + j - 1)
-                _fill(v_desc, [kv_row + (n_tiles - 1) * BLOCK_N, col], v_ring, it + n_tiles - 1)
-                it += n_tiles
-                done += 1
+    first, count = _program_tiles(schedule, units, CAUSAL)
+    for i in range(count):
+        valid, r, _, h, m0, _, seq0, _, key0, n_tiles = _forward_tile(
+            _entry(schedule, first, i, count), schedule, n_m, N, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN,
+            len(q_rings) * BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        if valid:
+            for w in gl.static_range(len(q_rings)):
+                row = seq0 + m0 + _block_of(w, r, len(q_rings), BLOCK_M, BLOCK_N) * BLOCK_M
+                _fill(q_desc, [row, h * D], q_rings[w], done)
+            kv_row = seq0 + key0
+            col = (h // GROUP) * D
+            _fill(k_desc, [kv_row, col], k_ring, it)
+            for j in range(1, n_tiles):
+                _fill(k_desc, [kv_row + j * BLOCK_N, col], k_ring, it + j)
+                _fill(v_desc, [kv_row + (j - 1) * BLOCK_N, col], v_ring, it + j - 1)
+            _fill(v_desc, [kv_row + (n_tiles - 1) * BLOCK_N, col], v_ring, it + n_tiles - 1)
+            it += n_tiles
+            done += 1
 
 
 @gluon.jit
@@ -399,7 +437,7 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
 
 
 @gluon.jit
-def _forward_consumer(outputs, q_ring, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
+def _forward_consumer(outputs, q_ring, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale, window_left,
                       W: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr,
                       CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                       TREE: gl.constexpr):  # fmt: skip
@@ -417,47 +455,50 @@ def _forward_consumer(outputs, q_ring, k_ring, v_ring, N, H, CU_SEQLENS, units, 
     rows_s: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N))
     it = 0
     done = 0
-    for u in range(gl.program_id(0), units, gl.num_programs(0)):
-        for r in range(1 + CAUSAL):
-            valid, b, h, m0, n, seq0, lse0, key0, n_tiles = _forward_tile(
-                u, r, n_m, N, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN, CONSUMERS * BLOCK_M, BLOCK_N
-            )
-            if valid:
-                first_row = m0 + _block_of(W, r, CONSUMERS, BLOCK_M, BLOCK_N) * BLOCK_M
-                own0, n_own = _key_tiles(first_row, BLOCK_M, n, window_left, CAUSAL, LEFT, BLOCK_N)
-                lead = (own0 - key0) // BLOCK_N
-                if first_row >= n:
-                    lead = n_tiles
-                    n_own = 0
-                q_smem = _take(q_ring, done)
-                _pass(k_ring, v_ring, it, lead)
-                if n_own > 0:
-                    acc, m_i, l_i = _attend(q_smem, q_ring, k_ring, v_ring, done, it + lead, first_row, own0, n_own,
-                                            qk_scale, window_left, CAUSAL, LEFT, BLOCK_N, D, TREE)  # fmt: skip
-                    acc = acc / gl.expand_dims(gl.convert_layout(l_i, rows_o), 1)
-                    lse = LSE + b * stride_lb + h * stride_lh + lse0 + first_row
-                    gl.store(lse + gl.arange(0, BLOCK_M, rows_s), (m_i + gl.log2(l_i)) * LN2)
-                    if len(o_store) > 0:
-                        o_desc, o_bufs = o_store
-                        o_smem = o_bufs.index(W)
-                        piece: gl.constexpr = o_desc.block_type.shape[1]
-                        out = acc.to(o_desc.dtype)
-                        if piece == D:
-                            _stage_out(o_desc, o_smem, out, [seq0 + first_row, h * D])
-                        else:  # two column halves through the one tile (register bits: the split moves no data)
-                            lo, hi = gl.split(gl.permute(gl.reshape(out, [BLOCK_M, 2, piece]), (0, 2, 1)))
-                            _stage_out(o_desc, o_smem, lo, [seq0 + first_row, h * D])
-                            _stage_out(o_desc, o_smem, hi, [seq0 + first_row, h * D + piece])
-                    else:
-                        out = O + (seq0 + first_row).to(gl.int64) * stride_o + h * D
-                        out += gl.expand_dims(gl.arange(0, BLOCK_M, rows_o), 1) * stride_o
-                        cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
-                        gl.store(out + gl.expand_dims(cols, 0), acc.to(q_smem.dtype))
+    first, count = _program_tiles(schedule, units, CAUSAL)
+    e = _entry(schedule, first, 0, count)
+    for i in range(count):
+        e_next = _entry(schedule, first, i + 1, count)  # read a tile ahead: the load's latency is off the path
+        valid, r, b, h, m0, n, seq0, lse0, key0, n_tiles = _forward_tile(
+            e, schedule, n_m, N, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN, CONSUMERS * BLOCK_M, BLOCK_N
+        )
+        if valid:
+            first_row = m0 + _block_of(W, r, CONSUMERS, BLOCK_M, BLOCK_N) * BLOCK_M
+            own0, n_own = _key_tiles(first_row, BLOCK_M, n, window_left, CAUSAL, LEFT, BLOCK_N)
+            lead = (own0 - key0) // BLOCK_N
+            if first_row >= n:
+                lead = n_tiles
+                n_own = 0
+            q_smem = _take(q_ring, done)
+            _pass(k_ring, v_ring, it, lead)
+            if n_own > 0:
+                acc, m_i, l_i = _attend(q_smem, q_ring, k_ring, v_ring, done, it + lead, first_row, own0, n_own,
+                                        qk_scale, window_left, CAUSAL, LEFT, BLOCK_N, D, TREE)  # fmt: skip
+                acc = acc / gl.expand_dims(gl.convert_layout(l_i, rows_o), 1)
+                lse = LSE + b * stride_lb + h * stride_lh + lse0 + first_row
+                gl.store(lse + gl.arange(0, BLOCK_M, rows_s), (m_i + gl.log2(l_i)) * LN2)
+                if len(o_store) > 0:
+                    o_desc, o_bufs = o_store
+                    o_smem = o_bufs.index(W)
+                    piece: gl.constexpr = o_desc.block_type.shape[1]
+                    out = acc.to(o_desc.dtype)
+                    if piece == D:
+                        _stage_out(o_desc, o_smem, out, [seq0 + first_row, h * D])
+                    else:  # two column halves through the one tile (register bits: the split moves no data)
+                        lo, hi = gl.split(gl.permute(gl.reshape(out, [BLOCK_M, 2, piece]), (0, 2, 1)))
+                        _stage_out(o_desc, o_smem, lo, [seq0 + first_row, h * D])
+                        _stage_out(o_desc, o_smem, hi, [seq0 + first_row, h * D + piece])
                 else:
-                    _give(q_ring, done)
-                _pass(k_ring, v_ring, it + lead + n_own, n_tiles - lead - n_own)
-                it += n_tiles
-                done += 1
+                    out = O + (seq0 + first_row).to(gl.int64) * stride_o + h * D
+                    out += gl.expand_dims(gl.arange(0, BLOCK_M, rows_o), 1) * stride_o
+                    cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
+                    gl.store(out + gl.expand_dims(cols, 0), acc.to(q_smem.dtype))
+            else:
+                _give(q_ring, done)
+            _pass(k_ring, v_ring, it + lead + n_own, n_tiles - lead - n_own)
+            it += n_tiles
+            done += 1
+        e = e_next
     if len(o_store) > 0:
         tma.store_wait(0)
 
@@ -465,12 +506,13 @@ def _forward_consumer(outputs, q_ring, k_ring, v_ring, N, H, CU_SEQLENS, units, 
 @gluon.jit
 def attention_forward_sm90_kernel(
     q_desc, k_desc, v_desc, o_desc, O, stride_o, LSE, stride_lb, stride_lh, N, H, GROUP, qk_scale, window_left,
-    CU_SEQLENS, units, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, CONSUMERS: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, Q_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
-    V_STAGES: gl.constexpr, TREE_ROWS: gl.constexpr,
+    CU_SEQLENS, units, SCHEDULE, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr,
+    CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, Q_STAGES: gl.constexpr,
+    K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, TREE_ROWS: gl.constexpr,
 ):  # fmt: skip
-    """Persistent: program i of P runs units i, i + P, ... of ``units`` (_forward_tile), a tile being
-    CONSUMERS * BLOCK_M query rows of one head (2 or 3 consumer warpgroups of BLOCK_M rows each).
+    """Persistent: program i of P runs the tiles that SCHEDULE lists for it (schedule.py) or, where SCHEDULE is
+    None, units i, i + P, ... of ``units`` (_forward_tile), a tile being CONSUMERS * BLOCK_M query rows of one
+    head (2 or 3 consumer warpgroups of BLOCK_M rows each).
     q/k/v_desc: (rows, heads * D) views, blocks of [rows, D]: B sequences of N rows, or with VARLEN sequence b
     at rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] (N the longest), each a whole number of BLOCK_M and of BLOCK_N
     rows; O: the output, rows stride_o apart in that view, stored from registers, or through o_desc (the same
@@ -484,6 +526,9 @@ def attention_forward_sm90_kernel(
     q1 = _ring(_tiles(q_desc, Q_STAGES), 1)
     n_m = gl.cdiv(N, CONSUMERS * BLOCK_M)
     o_store = ()  # (a worker partition's arguments cannot be None)
+    schedule = ()
+    if SCHEDULE is not None:
+        schedule = (SCHEDULE,)
     if o_desc is not None:
         o_store = (o_desc, _tiles(o_desc, CONSUMERS))
     outputs = (O, stride_o, o_store, LSE, stride_lb, stride_lh)
@@ -491,12 +536,12 @@ def attention_forward_sm90_kernel(
     if CONSUMERS == 2:
         gl.warp_specialize(
             [
-                (_forward_consumer, (outputs, q0, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
-                                     0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS)),
-                (_forward_consumer, (outputs, q1, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
-                                     1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS)),
+                (_forward_consumer, (outputs, q0, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale,
+                                     window_left, 0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS)),
+                (_forward_consumer, (outputs, q1, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale,
+                                     window_left, 1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS)),
                 (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1), k_ring, v_ring, N, H, GROUP, CU_SEQLENS, units,
-                                     n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N, D)),
+                                     schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N, D)),
             ],
             [4, 1],
             [232, 24],
@@ -505,14 +550,14 @@ def attention_forward_sm90_kernel(
         q2 = _ring(_tiles(q_desc, Q_STAGES), 1)
         gl.warp_specialize(
             [
-                (_forward_consumer, (outputs, q0, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
-                                     0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS)),
-                (_forward_consumer, (outputs, q1, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
-                                     1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS)),
-                (_forward_consumer, (outputs, q2, k_ring, v_ring, N, H, CU_SEQLENS, units, n_m, qk_scale, window_left,
-                                     2, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS)),
+                (_forward_consumer, (outputs, q0, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale,
+                                     window_left, 0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS)),
+                (_forward_consumer, (outputs, q1, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale,
+                                     window_left, 1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS)),
+                (_forward_consumer, (outputs, q2, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale,
+                                     window_left, 2, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS)),
                 (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1, q2), k_ring, v_ring, N, H, GROUP, CU_SEQLENS,
-                                     units, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N, D)),
+                                     units, schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N, D)),
             ],
             [4, 4, 1],
             [160, 160, 24],
