@@ -190,14 +190,23 @@ WIDE_BAND_SPAN = 4096
 # Unbanded spans below WIDE_SPAN, by head dim: D=64 takes its row max and sum as trees (NOTES 51), forward kernel ms
 # (CUDA-graph replay) against chains, same run, four rounds: N=512 0.1870 -> 0.1818 (cuDNN 0.1877), 1k 0.3411 ->
 # 0.3292 (0.3353). Under a causal bound the max's tree is slower (2k 0.375 -> 0.398, 4k 0.686 -> 0.739), and D=128
-# lost 1% with both (N=1k 0.249 -> 0.252, 16k 3.43-3.46 -> 3.49).
-_SM90_HOPPER_FORWARD_UNBANDED = {64: HopperForwardConfig(64, 128, 3, stage_o=True, q_stages=2, tree_rows=True)}
+# lost 1% with both (N=1k 0.249 -> 0.252, 16k 3.43-3.46 -> 3.49). D=128 takes two K and two V slots and, in the
+# room that frees, two Q tiles per warpgroup (NOTES 55), forward kernel ms (H100, CUDA-graph replay, five rounds, min
+# and max) against three K and two V slots with one Q tile, two runs: N=512 0.1282-0.1298 / 0.1270-0.1300 against
+# 0.1331-0.1378 / 0.1330-0.1401 (cuDNN 0.1333 / 0.1321), 1k 0.2255-0.2306 against 0.2276-0.2435; from 4k slower
+# (0.942 against 0.841 ms).
+_SM90_HOPPER_FORWARD_UNBANDED = {
+    64: HopperForwardConfig(64, 128, 3, stage_o=True, q_stages=2, tree_rows=True),
+    128: HopperForwardConfig(64, 128, 2, stage_o=True, q_stages=2),
+}
 # Banded spans of SHORT_BAND_SPAN keys or fewer (causal N=512): 64-key tiles, whose diagonal tiles waste half as
 # much (NOTES 39), forward kernel ms against 128-key tiles, same run: D=64 causal 512 0.159 -> 0.141, D=128 0.117
-# -> 0.105; at causal 1k (a span of 512) they lose (D=64 0.221 -> 0.231), as they do unbanded.
+# -> 0.105; at causal 1k (a span of 512) they lose (D=64 0.221 -> 0.231), as they do unbanded. D=128 with three K
+# slots instead of four (NOTES 55), forward kernel ms (H100, CUDA-graph replay, five rounds), two runs: causal 512
+# 0.1040-0.1045 / 0.1039-0.1047 against 0.1049-0.1053 / 0.1048-0.1054 (cuDNN 0.1030 / 0.1036); two slots 4% slower.
 _SM90_HOPPER_FORWARD_SHORT_BAND = {
     64: HopperForwardConfig(64, 64, 6, stage_o=True, q_stages=2),
-    128: HopperForwardConfig(64, 64, 4, stage_o=True, v_stages=3, q_stages=2),
+    128: HopperForwardConfig(64, 64, 3, stage_o=True, q_stages=2),
 }
 SHORT_BAND_SPAN = 256
 
