@@ -169,7 +169,7 @@ _PREPROCESS = Launcher(attention_backward_preprocess_kernel)
 
 # Replayable calls by layout (launch.Plan): a small call's host time is otherwise about its GPU time (NOTES 53).
 # A plan holds the choices of kernels/config.py's tables when it was recorded: a sweep that changes them at run
-# time must clear this.
+# time must clear this (and _schedule's cache, for the SCHEDULE_* constants).
 _PLANS: dict[tuple, Plan] = {}
 _MAX_PLANS = 256
 
@@ -201,10 +201,10 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperForwardConfig, recorder: Recorder):
-    """The persistent Gluon forward: one program per SM (or per work unit, if fewer) loops over its query tiles:
-    causal, those that schedule.py's table lists for it (the recorder holds the table), otherwise units i, i + P, ...
-    (kernels/hopper.py's _forward_tile). The _hopper_* launchers return Launcher.bind's (Bound, tensors), for a
-    Recorder."""
+    """The persistent Gluon forward: one program per SM (or per tile or work unit, if fewer) loops over its query
+    tiles: dense causal, mostly those that schedule.py's table lists for it (the recorder holds the table), otherwise
+    units i, i + P, ... (kernels/hopper.py's _forward_tile). The _hopper_* launchers return Launcher.bind's (Bound,
+    tensors), for a Recorder."""
     batch, n, common = _hopper_common(q, k, lse, p)
     rows = cfg.consumers * cfg.block_m
     tiles = _cdiv(n, rows)
@@ -222,17 +222,19 @@ def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperFor
     )  # fmt: skip
 
 
-def _forward_schedule(heads, tiles, units, n, cfg, common, varlen, device) -> tuple[int, torch.Tensor | None]:
-    """(programs, schedule.py's table or None) of the persistent forward over ``heads`` heads of ``tiles`` query
-    tiles each (``units`` of _forward_tile's own order)."""
+def _forward_schedule(
+    heads: int, tiles: int, units: int, n: int, cfg: config.HopperForwardConfig, common: dict, varlen: bool, device
+) -> tuple[int, torch.Tensor | None]:
+    """(programs, schedule.py's table or None for the kernel's own order) of the persistent forward over ``heads``
+    heads of ``tiles`` query tiles each (``units`` in the kernel's own order)."""
     sms = _sm_count(device)
-    if not common["CAUSAL"] or varlen or heads * tiles >= 2**30:  # an entry is (tile << 1) | r in 32 bits
+    if not common["CAUSAL"] or varlen or heads * tiles > config.SCHEDULE_MAX_TILES:
         return min(units, sms), None
-    programs = min(heads * tiles, sms)
     costs = _tile_costs(n, tiles, cfg, common["window_left"] if common["LEFT"] else None)
-    return programs, _schedule(heads, costs, programs, device)
+    return _schedule(heads, costs, sms, config.SCHEDULE_BATCH_ROUNDS, device)
 
 
+@functools.cache
 def _tile_costs(n: int, tiles: int, cfg: config.HopperForwardConfig, window_left: int | None) -> tuple[int, ...]:
     """What each causal query tile of a head costs the forward (longest first): the keys its longest warpgroup
     streams (as the kernel's _key_tiles counts them) plus config.SCHEDULE_TILE_KEYS."""
@@ -248,10 +250,19 @@ def _tile_costs(n: int, tiles: int, cfg: config.HopperForwardConfig, window_left
     return tuple(costs)
 
 
-@functools.lru_cache(maxsize=64)
-def _schedule(heads: int, costs: tuple[int, ...], programs: int, device: torch.device) -> torch.Tensor:
-    table = schedule.causal_forward(heads, costs, programs, config.SCHEDULE_BATCH_ROUNDS * programs)
-    return torch.tensor(table, dtype=torch.int32, device=device)
+@functools.cache  # never evicted: a CUDA graph captured with a table keeps its address
+def _schedule(
+    heads: int, costs: tuple[int, ...], sms: int, batch_rounds: int, device
+) -> tuple[int, torch.Tensor | None]:
+    """(programs, table) of schedule.causal_forward, or the kernel's own pairs (None) where by the costs' count the
+    table would end later."""
+    programs = min(heads * len(costs), sms)
+    table = schedule.causal_forward(heads, costs, programs, batch_rounds * programs)
+    pairs = min(heads * ((len(costs) + 1) // 2), sms)
+    # a tie takes the table: at N=512 the count sees none, and the table measured 1-2% faster (NOTES 54)
+    if schedule.makespan(table, costs, programs) > schedule.pairs_makespan(heads, costs, pairs):
+        return pairs, None
+    return programs, torch.tensor(table, dtype=torch.int32, device=device)
 
 
 def _lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int]:

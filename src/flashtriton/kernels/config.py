@@ -194,7 +194,7 @@ WIDE_BAND_SPAN = 4096
 # room that frees, two Q tiles per warpgroup (NOTES 55), forward kernel ms (H100, CUDA-graph replay, five rounds, min
 # and max) against three K and two V slots with one Q tile, two runs: N=512 0.1282-0.1298 / 0.1270-0.1300 against
 # 0.1331-0.1378 / 0.1330-0.1401 (cuDNN 0.1333 / 0.1321), 1k 0.2255-0.2306 against 0.2276-0.2435; from 4k slower
-# (0.942 against 0.841 ms).
+# (0.942 against 0.841 ms); spans between 1k and 2k keys not measured.
 _SM90_HOPPER_FORWARD_UNBANDED = {
     64: HopperForwardConfig(64, 128, 3, stage_o=True, q_stages=2, tree_rows=True),
     128: HopperForwardConfig(64, 128, 2, stage_o=True, q_stages=2),
@@ -218,6 +218,9 @@ SHORT_BAND_SPAN = 256
 # D=128 causal 1k 0.1472 / 0.1556 / 0.1514, 4k 0.4291 / 0.4361 / 0.4505, 16k 1.646 / 1.618 / 1.711.
 SCHEDULE_TILE_KEYS = 96
 SCHEDULE_BATCH_ROUNDS = 1
+# Beyond this many query tiles the kernel's own pairs run without a table: a table of 2**17 tiles takes about 0.1 s of
+# Python to build, and the pairs' last round is then under 0.2% of the work.
+SCHEDULE_MAX_TILES = 2**17
 
 # The Gluon backward on sm90, by head dim (H200, backward kernel times, B * N = 16k, H * D = 2048, same run):
 # D=128 dK/dV with the portable dQ: N=16k 12.59 -> 11.90 ms, causal 6.84 -> 6.53, N=4k 3.30 -> 3.11, 1k 1.00 -> 0.92

@@ -18,7 +18,8 @@ could run beside that P V; ptxas places the second wait before the exps all the 
 V have rings of their own (V_j is read a step after K_j and can do with fewer slots), and each consumer a ring
 of Q tiles, so the producer loads the next tile's Q and K/V while the consumers finish the current one.
 O goes out through shared memory and a TMA store (at D=256 in two column halves, for want of room), and a causal
-unit's short tile hands its row blocks to the warpgroups in reverse where they see unequal numbers of key tiles.
+tile marked r = 1 (a unit's short tile, or every other tile of a program's table list) hands its row blocks to the
+warpgroups in reverse where they see unequal numbers of key tiles.
 dK/dV: the consumers own BLOCK_N keys each and stream the (Q, dO) tiles of every query head of their GQA
 group, with those rows' LSE and delta (through TMA as well, so the per-step reads are shared-memory loads
 issued beside the MMAs): S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q. Fused (the default where
@@ -290,23 +291,23 @@ def _forward_tile(e, schedule, n_m, N, H, CU_SEQLENS, window_left, CAUSAL: gl.co
         p = u % per_head
         pid_bh = u // per_head
         pid_m = p + r * (n_m - 1 - 2 * p)  # r = 1: n_m - 1 - p
-        twin = (r == 0) | (2 * p + 1 < n_m)  # the middle tile's twin is no tile
+        is_tile = (r == 0) | (2 * p + 1 < n_m)  # the middle tile's twin is no tile
     else:
         pid_bh = (e >> 1) // n_m
         pid_m = (e >> 1) % n_m
         r = e & 1
-        twin = pid_m >= 0
+        is_tile = pid_m >= 0  # every entry of the table is one
     b, h, m0, seq0, n, lse0 = _query_tile(pid_m, pid_bh, n_m, N, H, CU_SEQLENS, CAUSAL, VARLEN, ROWS)
     key0, n_tiles = _key_tiles(m0, ROWS, n, window_left, CAUSAL, LEFT, BLOCK_N)
-    valid = (m0 < n) & twin  # past a shorter varlen sequence
+    valid = (m0 < n) & is_tile  # m0 < n: not past a shorter varlen sequence
     return valid, r, b, h, m0, n, seq0, lse0, key0, n_tiles
 
 
 @gluon.jit
 def _block_of(w, r, consumers: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Which BLOCK_M rows of tile r of a unit warpgroup w takes: the w-th or, where a causal tile's warpgroups see
-    different numbers of key tiles (the last the most), in the unit's short tile (r = 1) the w-th from the end, so
-    that over the unit every warpgroup sees about as many."""
+    """Which BLOCK_M rows of a tile warpgroup w takes: the w-th or, where a causal tile's warpgroups see different
+    numbers of key tiles (the last the most), in a tile marked r = 1 (_forward_tile) the w-th from the end, so that
+    over a unit or a program's list every warpgroup sees about as many."""
     if consumers * BLOCK_M > BLOCK_N:
         return w + r * (consumers - 1 - 2 * w)
     return w
