@@ -259,7 +259,8 @@ def _schedule(
     programs = min(heads * len(costs), sms)
     table = schedule.causal_forward(heads, costs, programs, batch_rounds * programs)
     pairs = min(heads * ((len(costs) + 1) // 2), sms)
-    # a tie takes the table: at N=512 the count sees none, and the table measured 1-2% faster (NOTES 54)
+    # a tie takes the table: at N=512 the count sees none; measured, the table was 1-2% faster in one run, level in
+    # another (NOTES 54)
     if schedule.makespan(table, costs, programs) > schedule.pairs_makespan(heads, costs, pairs):
         return pairs, None
     return programs, torch.tensor(table, dtype=torch.int32, device=device)

@@ -459,7 +459,7 @@ def _forward_consumer(outputs, q_ring, k_ring, v_ring, N, H, CU_SEQLENS, units, 
     first, count = _program_tiles(schedule, units, CAUSAL)
     e = _entry(schedule, first, 0, count)
     for i in range(count):
-        e_next = _entry(schedule, first, i + 1, count)  # read a tile ahead: the load's latency is off the path
+        e_next = _entry(schedule, first, i + 1, count)  # a tile ahead: off the tile's start (not measured alone)
         valid, r, b, h, m0, n, seq0, lse0, key0, n_tiles = _forward_tile(
             e, schedule, n_m, N, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN, CONSUMERS * BLOCK_M, BLOCK_N
         )
