@@ -141,7 +141,11 @@ def main() -> int:
                         result = "  ".join(f"{kernel[10:]} {regs}r/{stack}B" for kernel, regs, stack in built)
                     except Exception as error:  # a failed build is the finding: report it and go on
                         failures += 1
-                        result = f"FAILED after {[kernel for kernel, _, _ in built]}: {type(error).__name__}"
+                        cause = error
+                        while cause.__cause__ is not None:  # a CompilationError quotes the source; its cause says why
+                            cause = cause.__cause__
+                        why = (str(cause).strip().splitlines() or [""])[-1][:200]
+                        result = f"FAILED after {[kernel for kernel, _, _ in built]}: {type(error).__name__}: {why}"
                 print(f"d{head_dim} N={n} {name:12s} {result}", flush=True)
     print(f"{failures} failed builds")
     return 1 if failures else 0

@@ -11,6 +11,10 @@ import torch
 from flashtriton import attention_reference
 from flashtriton.reference import attention_reference_varlen
 
+hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU"
+)
+
 
 @dataclass(frozen=True)
 class Target:

@@ -7,6 +7,7 @@ import torch
 
 from flashtriton import flash_attn_func, ops, torch_backend, triton_backend
 from flashtriton.params import AttentionParams
+from helpers import hopper
 
 
 def test_auto_picks_torch_path_on_cpu(monkeypatch):
@@ -100,9 +101,7 @@ def test_hopper_scope():
     assert split.split_d and split.dq is None and split.rows == 64  # fused only: deterministic runs the portable pair
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU"
-)
+@hopper
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_hopper_kernels_run_where_they_fit(causal, head_dim, monkeypatch):

@@ -11,6 +11,7 @@ from triton.backends.nvidia.compiler import CUDABackend
 from triton.runtime.jit import JITFunction
 
 from flashtriton import flash_attn_func, launch, triton_backend
+from helpers import hopper
 
 
 def _descriptors() -> list[launch.Descriptor]:
@@ -102,11 +103,6 @@ def test_a_tensor_passed_twice_fills_its_slots_by_its_first_name():
     a, b = torch.randn(2, 3), torch.randn(2, 3)
     recorder.plan()(q=a, k=b, v=b)
     assert bound.calls == [[b, a, b]]
-
-
-hopper = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU"
-)
 
 
 @hopper
