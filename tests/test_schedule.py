@@ -15,6 +15,19 @@ def _lists(table: list[int], programs: int) -> list[list[tuple[int, int]]]:
     return [[(e >> 1, e & 1) for e in entries[offsets[p] : offsets[p + 1]]] for p in range(programs)]
 
 
+def _abstract(table: torch.Tensor, programs: int, n_m: int, heads: int, bits: tuple[int, int]) -> list[int]:
+    """The backend's table with its entries decoded as the kernel decodes them (_forward_tile's bit fields) and put
+    back in schedule.py's form ((b * heads + h) * n_m + p) << 1 | r."""
+    m_bits, h_bits = bits
+    listed = table.tolist()
+    decoded = []
+    for e in listed[programs + 1 :]:
+        p, h, b = (e >> 1) & ((1 << m_bits) - 1), (e >> (1 + m_bits)) & ((1 << h_bits) - 1), e >> (1 + m_bits + h_bits)
+        assert p < n_m and h < heads
+        decoded.append((((b * heads + h) * n_m + p) << 1) | (e & 1))
+    return listed[: programs + 1] + decoded
+
+
 def _costs(head_dim: int, n: int, window_left: int | None = None) -> tuple[int, ...]:
     """The backend's costs of a causal head's tiles, with the config it runs at this length on sm90."""
     span = n - n // 2 if window_left is None else window_left + 1
@@ -51,26 +64,40 @@ def test_every_tile_runs_once(heads, head_dim, n, programs):
 def test_the_bench_shapes_take_the_table_and_end_sooner(head_dim, n):
     """16k tokens, hidden 2048: the table's end is at or under the pairs' by the costs' count, and the backend takes it
     (where the count ties, at N=512, the table measured faster: NOTES 54)."""
-    heads, costs = 16384 // n * 2048 // head_dim, _costs(head_dim, n)
-    programs, table = triton_backend._schedule(heads, costs, 132, config.SCHEDULE_BATCH_ROUNDS, torch.device("cpu"))
+    batch, heads, costs = 16384 // n, 2048 // head_dim, _costs(head_dim, n)
+    cpu = torch.device("cpu")
+    programs, table, bits = triton_backend._schedule(batch, heads, costs, 132, config.SCHEDULE_BATCH_ROUNDS, cpu)
     assert table is not None and programs == 132
-    listed = table.tolist()
-    assert schedule.makespan(listed, costs, 132) <= schedule.pairs_makespan(heads, costs, 132)
+    listed = _abstract(table, programs, len(costs), heads, bits)
+    assert listed == schedule.causal_forward(batch * heads, costs, 132, config.SCHEDULE_BATCH_ROUNDS * 132)
+    assert schedule.makespan(listed, costs, 132) <= schedule.pairs_makespan(batch * heads, costs, 132)
 
 
 @pytest.mark.parametrize("heads", [66, 130, 264, 75, 8, 384])
 def test_the_backend_keeps_the_pairs_where_they_split_better(heads):
     """66 heads of 8 tiles: 264 pairs over 132 programs divide exactly, where greedy batches end 29% later."""
     costs = _costs(128, 1024)
-    programs, table = triton_backend._schedule(heads, costs, 132, config.SCHEDULE_BATCH_ROUNDS, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    programs, table, bits = triton_backend._schedule(1, heads, costs, 132, config.SCHEDULE_BATCH_ROUNDS, cpu)
     pairs = schedule.pairs_makespan(heads, costs, min(heads * 4, 132))
     if table is None:
         assert programs == min(heads * 4, 132)
         greedy = schedule.causal_forward(heads, costs, min(heads * 8, 132), min(heads * 8, 132))
         assert schedule.makespan(greedy, costs, min(heads * 8, 132)) > pairs
     else:
-        assert schedule.makespan(table.tolist(), costs, programs) <= pairs
+        assert schedule.makespan(_abstract(table, programs, len(costs), heads, bits), costs, programs) <= pairs
     assert (table is None) == (heads in (66, 130, 264))
+
+
+@pytest.mark.parametrize("batch, heads, n_m", [(3, 5, 7), (1, 1, 1), (2, 16, 4), (1, 48, 128), (5, 1, 3)])
+def test_the_kernels_fields_hold_every_tile(batch, heads, n_m):
+    """The entries the kernel reads (bit fields for batch, head and tile: no division at a tile's start) decode to the
+    tiles schedule.py listed, each once, with its r."""
+    entries = [(t << 1) | (t % 2) for t in range(batch * heads * n_m)]
+    fields, bits = triton_backend._fields(entries, n_m, heads, batch)
+    offsets = [0, len(fields)]
+    assert _abstract(torch.tensor(offsets + fields), 1, n_m, heads, bits)[2:] == entries
+    assert max(fields) < 2**31
 
 
 def test_heads_are_balanced_in_batches():

@@ -208,30 +208,38 @@ def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperFor
     batch, n, common = _hopper_common(q, k, lse, p)
     rows = cfg.consumers * cfg.block_m
     tiles = _cdiv(n, rows)
-    heads = batch * common["H"]
-    units = (_cdiv(tiles, 2) if common["CAUSAL"] else tiles) * heads
-    programs, table = _forward_schedule(heads, tiles, units, n, cfg, common, p.varlen, q.device)
+    units = (_cdiv(tiles, 2) if common["CAUSAL"] else tiles) * batch * common["H"]
+    programs, table, bits = _forward_schedule(batch, common["H"], tiles, units, n, cfg, common, p.varlen, q.device)
     if table is not None:
         recorder.constant("schedule", table)
     return _FORWARD_SM90.bind((programs,))(
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
         _gluon_view(out, cfg.block_m, q.shape[3] // cfg.o_pieces) if cfg.stage_o else None, out, out.stride(1),
-        lse, **common, units=units, SCHEDULE=table, CONSUMERS=cfg.consumers, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, Q_STAGES=cfg.q_stages, K_STAGES=cfg.stages, V_STAGES=cfg.v_stages or cfg.stages,
-        TREE_ROWS=cfg.tree_rows,
+        lse, **common, units=units, SCHEDULE=table, m_bits=bits[0], h_bits=bits[1], CONSUMERS=cfg.consumers,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_STAGES=cfg.q_stages, K_STAGES=cfg.stages,
+        V_STAGES=cfg.v_stages or cfg.stages, TREE_ROWS=cfg.tree_rows,
     )  # fmt: skip
 
 
 def _forward_schedule(
-    heads: int, tiles: int, units: int, n: int, cfg: config.HopperForwardConfig, common: dict, varlen: bool, device
-) -> tuple[int, torch.Tensor | None]:
-    """(programs, schedule.py's table or None for the kernel's own order) of the persistent forward over ``heads``
-    heads of ``tiles`` query tiles each (``units`` in the kernel's own order)."""
+    batch: int,
+    heads: int,
+    tiles: int,
+    units: int,
+    n: int,
+    cfg: config.HopperForwardConfig,
+    common: dict,
+    varlen: bool,
+    device,
+) -> tuple[int, torch.Tensor | None, tuple[int, int]]:
+    """(programs, schedule.py's table or None for the kernel's own order, the widths of its entries' tile and head
+    fields) of the persistent forward over ``batch`` x ``heads`` heads of ``tiles`` query tiles each (``units`` in the
+    kernel's own order)."""
     sms = _sm_count(device)
-    if not common["CAUSAL"] or varlen or heads * tiles > config.SCHEDULE_MAX_TILES:
-        return min(units, sms), None
+    if not common["CAUSAL"] or varlen or batch * heads * tiles > config.SCHEDULE_MAX_TILES:
+        return min(units, sms), None, (0, 0)
     costs = _tile_costs(n, tiles, cfg, common["window_left"] if common["LEFT"] else None)
-    return _schedule(heads, costs, sms, config.SCHEDULE_BATCH_ROUNDS, device)
+    return _schedule(batch, heads, costs, sms, config.SCHEDULE_BATCH_ROUNDS, device)
 
 
 @functools.cache
@@ -252,18 +260,34 @@ def _tile_costs(n: int, tiles: int, cfg: config.HopperForwardConfig, window_left
 
 @functools.cache  # never evicted: a CUDA graph captured with a table keeps its address
 def _schedule(
-    heads: int, costs: tuple[int, ...], sms: int, batch_rounds: int, device
-) -> tuple[int, torch.Tensor | None]:
-    """(programs, table) of schedule.causal_forward, or the kernel's own pairs (None) where by the costs' count the
-    table would end later."""
-    programs = min(heads * len(costs), sms)
-    table = schedule.causal_forward(heads, costs, programs, batch_rounds * programs)
-    pairs = min(heads * ((len(costs) + 1) // 2), sms)
+    batch: int, heads: int, costs: tuple[int, ...], sms: int, batch_rounds: int, device
+) -> tuple[int, torch.Tensor | None, tuple[int, int]]:
+    """(programs, table, field widths) of schedule.causal_forward over ``batch`` x ``heads`` heads, its entries
+    re-encoded as the kernel reads them (_fields), or the kernel's own pairs (None) where by the costs' count the table
+    would end later."""
+    total = batch * heads
+    programs = min(total * len(costs), sms)
+    table = schedule.causal_forward(total, costs, programs, batch_rounds * programs)
+    pairs = min(total * ((len(costs) + 1) // 2), sms)
     # a tie takes the table: at N=512 the count sees none; measured, the table was 1-2% faster in one run, level in
     # another (NOTES 54)
-    if schedule.makespan(table, costs, programs) > schedule.pairs_makespan(heads, costs, pairs):
-        return pairs, None
-    return programs, torch.tensor(table, dtype=torch.int32, device=device)
+    if schedule.makespan(table, costs, programs) > schedule.pairs_makespan(total, costs, pairs):
+        return pairs, None, (0, 0)
+    entries, bits = _fields(table[programs + 1 :], len(costs), heads, batch)
+    return programs, torch.tensor(table[: programs + 1] + entries, dtype=torch.int32, device=device), bits
+
+
+def _fields(entries: list[int], n_m: int, heads: int, batch: int) -> tuple[list[int], tuple[int, int]]:
+    """schedule.py's entries ((head * n_m + p) << 1) | r as the kernel decodes them without dividing (_forward_tile):
+    ((((b << h_bits) | h) << m_bits | p) << 1) | r, for batch b's head h; and (m_bits, h_bits)."""
+    m_bits, h_bits = (n_m - 1).bit_length(), (heads - 1).bit_length()
+    assert 1 + m_bits + h_bits + (batch - 1).bit_length() <= 31, "config.SCHEDULE_MAX_TILES keeps them in an int32"
+    fields = []
+    for e in entries:
+        head, p = divmod(e >> 1, n_m)
+        b, h = divmod(head, heads)
+        fields.append((((b << h_bits | h) << m_bits | p) << 1) | (e & 1))
+    return fields, (m_bits, h_bits)
 
 
 def _lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int]:

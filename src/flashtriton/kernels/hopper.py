@@ -102,14 +102,13 @@ def _sequence(CU_SEQLENS, b, N, VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def _query_tile(pid_m, pid_bh, n_m, N, H, CU_SEQLENS, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
-                ROWS: gl.constexpr):  # fmt: skip
-    """(batch, head, first query row in the sequence, then _sequence's three) of query tile pid_m of n_m
-    (ROWS rows each) of head pid_bh; causal tiles are numbered longest first, so the short ones come last."""
+def _query_tile(pid_m, b, h, n_m, N, CU_SEQLENS, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, ROWS: gl.constexpr):
+    """(batch, head, first query row in the sequence, then _sequence's three) of query tile pid_m of n_m (ROWS rows
+    each) of batch b's head h; causal tiles are numbered longest first, so the short ones come last."""
     if CAUSAL:
         pid_m = n_m - 1 - pid_m
-    seq0, n, lse0 = _sequence(CU_SEQLENS, pid_bh // H, N, VARLEN)
-    return pid_bh // H, pid_bh % H, pid_m * ROWS, seq0, n, lse0
+    seq0, n, lse0 = _sequence(CU_SEQLENS, b, N, VARLEN)
+    return b, h, pid_m * ROWS, seq0, n, lse0
 
 
 @gluon.jit
@@ -251,9 +250,9 @@ def _online_softmax(scores, m_i, l_i, rows, first_row, first_col, qk_scale, wind
 
 @gluon.jit
 def _program_tiles(schedule, units, CAUSAL: gl.constexpr):
-    """(where this program's list starts, how many tiles it runs): from schedule = (SCHEDULE,), the table of
-    schedule.py, or with schedule = () units pid, pid + P, ... of _forward_tile's own order, one or (causal) two
-    tiles each."""
+    """(where this program's list starts, how many tiles it runs): from schedule = (SCHEDULE, m_bits, h_bits), the
+    table of schedule.py, or with schedule = () units pid, pid + P, ... of _forward_tile's own order, one or (causal)
+    two tiles each."""
     pid = gl.program_id(0)
     if len(schedule) == 0:
         return 0, gl.cdiv(units - pid, gl.num_programs(0)) * (1 + CAUSAL)
@@ -280,8 +279,9 @@ def _forward_tile(e, schedule, n_m, N, H, CU_SEQLENS, window_left, CAUSAL: gl.co
     sequence's length, its first row, its first LSE column, then _key_tiles' two). r = 1 marks a tile whose
     warpgroups take their row blocks in reverse (_block_of). Without a table, unit e // (1 + CAUSAL) of the
     program is one query tile; causal, the p-th longest and the p-th shortest query tiles of a head (r = 0, 1;
-    one tile in the middle of an odd count), so that every unit has about the same work. With one, e is
-    ((head * n_m + p) << 1) | r, p counting a head's tiles longest first (schedule.py)."""
+    one tile in the middle of an odd count), so that every unit has about the same work. With one, schedule =
+    (table, m_bits, h_bits) and e is ((((b << h_bits) | h) << m_bits | p) << 1) | r, p counting a head's tiles longest
+    first (schedule.py; triton_backend._fields)."""
     if len(schedule) == 0:
         u = gl.program_id(0) + e // (1 + CAUSAL) * gl.num_programs(0)
         r = e % (1 + CAUSAL)
@@ -292,12 +292,16 @@ def _forward_tile(e, schedule, n_m, N, H, CU_SEQLENS, window_left, CAUSAL: gl.co
         pid_bh = u // per_head
         pid_m = p + r * (n_m - 1 - 2 * p)  # r = 1: n_m - 1 - p
         is_tile = (r == 0) | (2 * p + 1 < n_m)  # the middle tile's twin is no tile
-    else:
-        pid_bh = (e >> 1) // n_m
-        pid_m = (e >> 1) % n_m
+        b = pid_bh // H
+        h = pid_bh % H
+    else:  # bit fields, not a runtime division's dependent chain at every tile's start (NOTES 57)
+        _, m_bits, h_bits = schedule
+        pid_m = (e >> 1) & ((1 << m_bits) - 1)
+        b = e >> (1 + m_bits + h_bits)
+        h = (e >> (1 + m_bits)) & ((1 << h_bits) - 1)
         r = e & 1
         is_tile = pid_m >= 0  # every entry of the table is one
-    b, h, m0, seq0, n, lse0 = _query_tile(pid_m, pid_bh, n_m, N, H, CU_SEQLENS, CAUSAL, VARLEN, ROWS)
+    b, h, m0, seq0, n, lse0 = _query_tile(pid_m, b, h, n_m, N, CU_SEQLENS, CAUSAL, VARLEN, ROWS)
     key0, n_tiles = _key_tiles(m0, ROWS, n, window_left, CAUSAL, LEFT, BLOCK_N)
     valid = (m0 < n) & is_tile  # m0 < n: not past a shorter varlen sequence
     return valid, r, b, h, m0, n, seq0, lse0, key0, n_tiles
@@ -507,13 +511,14 @@ def _forward_consumer(outputs, q_ring, k_ring, v_ring, N, H, CU_SEQLENS, units, 
 @gluon.jit
 def attention_forward_sm90_kernel(
     q_desc, k_desc, v_desc, o_desc, O, stride_o, LSE, stride_lb, stride_lh, N, H, GROUP, qk_scale, window_left,
-    CU_SEQLENS, units, SCHEDULE, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr,
+    CU_SEQLENS, units, SCHEDULE, m_bits, h_bits, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr,
     CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, Q_STAGES: gl.constexpr,
     K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, TREE_ROWS: gl.constexpr,
 ):  # fmt: skip
-    """Persistent: program i of P runs the tiles that SCHEDULE lists for it (schedule.py) or, where SCHEDULE is
-    None, units i, i + P, ... of ``units`` (_forward_tile), a tile being CONSUMERS * BLOCK_M query rows of one
-    head (2 or 3 consumer warpgroups of BLOCK_M rows each).
+    """Persistent: program i of P runs the tiles that SCHEDULE lists for it (schedule.py, each entry's batch, head
+    and tile in bit fields m_bits and h_bits wide: _forward_tile) or, where SCHEDULE is None, units i, i + P, ... of
+    ``units`` (_forward_tile), a tile being CONSUMERS * BLOCK_M query rows of one head (2 or 3 consumer warpgroups
+    of BLOCK_M rows each).
     q/k/v_desc: (rows, heads * D) views, blocks of [rows, D]: B sequences of N rows, or with VARLEN sequence b
     at rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] (N the longest), each a whole number of BLOCK_M and of BLOCK_N
     rows; O: the output, rows stride_o apart in that view, stored from registers, or through o_desc (the same
@@ -529,7 +534,7 @@ def attention_forward_sm90_kernel(
     o_store = ()  # (a worker partition's arguments cannot be None)
     schedule = ()
     if SCHEDULE is not None:
-        schedule = (SCHEDULE,)
+        schedule = (SCHEDULE, m_bits, h_bits)
     if o_desc is not None:
         o_store = (o_desc, _tiles(o_desc, CONSUMERS))
     outputs = (O, stride_o, o_store, LSE, stride_lb, stride_lh)
@@ -967,8 +972,9 @@ def attention_backward_dq_sm90_kernel(
     """Grid (N / (2 * BLOCK_M), B * H): dQ (and delta) of 2 * BLOCK_M query rows, laid out as the forward's
     program; O: the forward's output, rows stride_o apart in the (rows, heads * D) view."""
     b, h, m0, seq0, N, lse0 = _query_tile(
-        gl.program_id(0), gl.program_id(1), gl.num_programs(0), N, H, CU_SEQLENS, CAUSAL, VARLEN, 2 * BLOCK_M
-    )
+        gl.program_id(0), gl.program_id(1) // H, gl.program_id(1) % H, gl.num_programs(0), N, CU_SEQLENS, CAUSAL,
+        VARLEN, 2 * BLOCK_M,
+    )  # fmt: skip
     if m0 >= N:  # past the end of a shorter varlen sequence
         return
     q_col = h * D
