@@ -102,13 +102,13 @@ def _sequence(CU_SEQLENS, b, N, VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def _query_tile(pid_m, b, h, n_m, N, CU_SEQLENS, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, ROWS: gl.constexpr):
-    """(batch, head, first query row in the sequence, then _sequence's three) of query tile pid_m of n_m (ROWS rows
-    each) of batch b's head h; causal tiles are numbered longest first, so the short ones come last."""
+def _query_tile(pid_m, b, n_m, N, CU_SEQLENS, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, ROWS: gl.constexpr):
+    """(first query row in the sequence, then _sequence's three) of query tile pid_m of n_m (ROWS rows each) of a head
+    of batch b; causal tiles are numbered longest first, so the short ones come last."""
     if CAUSAL:
         pid_m = n_m - 1 - pid_m
     seq0, n, lse0 = _sequence(CU_SEQLENS, b, N, VARLEN)
-    return b, h, pid_m * ROWS, seq0, n, lse0
+    return pid_m * ROWS, seq0, n, lse0
 
 
 @gluon.jit
@@ -301,7 +301,7 @@ def _forward_tile(e, schedule, n_m, N, H, CU_SEQLENS, window_left, CAUSAL: gl.co
         h = (e >> (1 + m_bits)) & ((1 << h_bits) - 1)
         r = e & 1
         is_tile = pid_m >= 0  # every entry of the table is one
-    b, h, m0, seq0, n, lse0 = _query_tile(pid_m, b, h, n_m, N, CU_SEQLENS, CAUSAL, VARLEN, ROWS)
+    m0, seq0, n, lse0 = _query_tile(pid_m, b, n_m, N, CU_SEQLENS, CAUSAL, VARLEN, ROWS)
     key0, n_tiles = _key_tiles(m0, ROWS, n, window_left, CAUSAL, LEFT, BLOCK_N)
     valid = (m0 < n) & is_tile  # m0 < n: not past a shorter varlen sequence
     return valid, r, b, h, m0, n, seq0, lse0, key0, n_tiles
@@ -971,10 +971,9 @@ def attention_backward_dq_sm90_kernel(
 ):  # fmt: skip
     """Grid (N / (2 * BLOCK_M), B * H): dQ (and delta) of 2 * BLOCK_M query rows, laid out as the forward's
     program; O: the forward's output, rows stride_o apart in the (rows, heads * D) view."""
-    b, h, m0, seq0, N, lse0 = _query_tile(
-        gl.program_id(0), gl.program_id(1) // H, gl.program_id(1) % H, gl.num_programs(0), N, CU_SEQLENS, CAUSAL,
-        VARLEN, 2 * BLOCK_M,
-    )  # fmt: skip
+    b = gl.program_id(1) // H
+    h = gl.program_id(1) % H
+    m0, seq0, N, lse0 = _query_tile(gl.program_id(0), b, gl.num_programs(0), N, CU_SEQLENS, CAUSAL, VARLEN, 2 * BLOCK_M)
     if m0 >= N:  # past the end of a shorter varlen sequence
         return
     q_col = h * D
