@@ -6,20 +6,24 @@ writes the full table (every case, mode and peer) to ``<run>/README.md`` next to
 headline table (ratios against SDPA's cuDNN backend and FlexAttention) into the top-level README.md
 between the ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` lines. Both are generated: edit
 this script, not the tables. Ratios are peer time / flashtriton time (above 1: flashtriton is faster).
-Needs only the standard library.
+The measured source is named by the commit of this checkout that holds the run's source digest, where there is
+one (a device's copy of the checkout can carry stale git metadata). Needs only the standard library and git.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
-from pathlib import Path
+import subprocess
+from pathlib import Path, PurePosixPath
 
 OURS = "flashtriton"
 HEADLINE_PEERS = {"sdpa-cudnn": "cuDNN", "flex": "Flex"}
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 REPO = Path(__file__).resolve().parents[1]
+PACKAGE = "src/flashtriton"
 RESUMED = " (continued with `--resume` after a device time limit cut it short)"
 
 
@@ -43,8 +47,58 @@ def _ours(payload: dict) -> list[dict]:
     return [r for r in payload["results"] if r["provider"] == OURS and not r["unavailable"]]
 
 
+def _git(*args: str) -> bytes | None:
+    try:
+        return subprocess.check_output(["git", "-C", str(REPO), *args], stderr=subprocess.DEVNULL)
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return None
+
+
+def package_digest(commit: str, blobs: dict[str, bytes] | None = None) -> str | None:
+    """flashtriton.bench's source digest of the package as committed at ``commit``: the same files (every .py below
+    src/flashtriton), order (by path, as pathlib sorts) and hashing. ``blobs`` caches file contents by blob id."""
+    listing = _git("ls-tree", "-r", commit, "--", PACKAGE)
+    if listing is None:
+        return None
+    files = {}
+    for line in listing.decode().splitlines():
+        meta, path = line.split("\t", 1)
+        if path.endswith(".py"):
+            files[PurePosixPath(path).relative_to(PACKAGE)] = meta.split()[2]
+    blobs = {} if blobs is None else blobs
+    digest = hashlib.sha256()
+    for path in sorted(files):
+        blob = files[path]
+        if blob not in blobs:
+            blobs[blob] = _git("cat-file", "blob", blob) or b""
+        digest.update(path.as_posix().encode() + b"\0" + blobs[blob] + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def commit_of(digest: str, depth: int = 100) -> tuple[str, str] | None:
+    """(hash, subject) of the commit among this checkout's last ``depth`` that introduced the package source with
+    ``digest`` (the oldest of the newest run of commits that hold it), or None. A device's copy of the checkout can
+    carry stale git metadata, so the run's own commit field may name an older commit plus "uncommitted" changes."""
+    log = _git("log", f"-n{depth}", "--format=%H %s")
+    blobs: dict[str, bytes] = {}
+    found = None
+    for line in (log or b"").decode().splitlines():
+        commit, _, subject = line.partition(" ")
+        if package_digest(commit, blobs) == digest:
+            found = commit, subject
+        elif found is not None:
+            break
+    return found
+
+
 def _source_line(env: dict) -> str:
-    if env.get("commit"):
+    found = commit_of(env["source_digest"])
+    if found is not None:
+        state = f"commit `{found[0][:10]}` ({found[1]})"
+        if env.get("commit") and (env["commit"] != found[0] or env.get("uncommitted")):
+            named = f"`{env['commit'][:10]}`" + (" plus uncommitted changes" if env.get("uncommitted") else "")
+            state += f", found by the source digest (the measuring checkout's git named {named})"
+    elif env.get("commit"):
         state = f"commit `{env['commit'][:10]}` ({env.get('commit_subject')})"
         if env.get("uncommitted"):
             state += f" plus uncommitted changes to {', '.join(env['uncommitted'])}"

@@ -1,6 +1,9 @@
 """flashtriton bench's timing protocol: providers timed in rounds, the order rotated, medians reported, a
 provider that fails reported as unavailable; --resume refuses a run measured another way."""
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -100,3 +103,26 @@ def test_resume_refuses_a_run_timed_in_other_rounds(tmp_path):
     assert [r.provider for r in kept] == ["a"]
     with pytest.raises(SystemExit, match="rounds is 1, this run's 3"):
         bench._resumable(path, env, {**sweep, "rounds": 3}, [CASE])
+
+
+def _report():
+    path = Path(__file__).parents[1] / "benchmarks" / "report.py"
+    spec = importlib.util.spec_from_file_location("report", path)
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    return report
+
+
+def test_the_report_names_the_commit_that_holds_a_runs_source():
+    """benchmarks/report.py finds a run's commit by its source digest (a device's copy of the checkout can carry
+    stale git metadata); its digest of a commit is the bench's own of that source."""
+    report = _report()
+    head = report._git("rev-parse", "HEAD")
+    if head is None:
+        pytest.skip("not a git checkout")
+    digest = report.package_digest(head.decode().strip())
+    if not report._git("status", "--porcelain", "--", report.PACKAGE):  # the package is HEAD's, as in CI's clone
+        assert digest == bench._source_digest()
+    found = report.commit_of(digest)
+    assert found is not None and report.package_digest(found[0]) == digest
+    assert report.commit_of("no such digest") is None
