@@ -18,7 +18,8 @@ Table layout (int32): entries [0, P] are offsets, program i's tiles being entrie
 P + 1 + offsets[i + 1]; each entry is ((head * n_m + p) << 1) | r for query tile p of a head counted longest
 first, and r = 1 asks the tile's warpgroups to take their row blocks in reverse (the kernel's _block_of):
 consecutive tiles of a program alternate, so that where a tile's warpgroups see unequal numbers of keys each
-sees about as many over the program's run.
+sees about as many over the program's run. The kernel reads the head and tile as bit fields instead, so that no tile
+starts with a division (triton_backend._fields re-encodes the entries; benchmarks/NOTES.md 57).
 """
 
 from __future__ import annotations
