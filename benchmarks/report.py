@@ -57,11 +57,11 @@ def _git(*args: str) -> bytes | None:
 def package_digest(commit: str, blobs: dict[str, bytes] | None = None) -> str | None:
     """flashtriton.bench's source digest of the package as committed at ``commit``: the same files (every .py below
     src/flashtriton), order (by path, as pathlib sorts) and hashing. ``blobs`` caches file contents by blob id."""
-    listing = _git("ls-tree", "-r", commit, "--", PACKAGE)
+    listing = _git("ls-tree", "-r", "-z", commit, "--", PACKAGE)
     if listing is None:
         return None
     files = {}
-    for line in listing.decode().splitlines():
+    for line in filter(None, listing.decode().split("\0")):
         meta, path = line.split("\t", 1)
         if path.endswith(".py"):
             files[PurePosixPath(path).relative_to(PACKAGE)] = meta.split()[2]
@@ -92,19 +92,21 @@ def commit_of(digest: str, depth: int = 100) -> tuple[str, str] | None:
 
 
 def _source_line(env: dict) -> str:
-    found = commit_of(env["source_digest"])
+    digest = env.get("source_digest")
+    found = commit_of(digest) if digest else None
     if found is not None:
         state = f"commit `{found[0][:10]}` ({found[1]})"
-        if env.get("commit") and (env["commit"] != found[0] or env.get("uncommitted")):
-            named = f"`{env['commit'][:10]}`" + (" plus uncommitted changes" if env.get("uncommitted") else "")
-            state += f", found by the source digest (the measuring checkout's git named {named})"
+        named = env.get("commit")
+        if named and (env.get("uncommitted") or package_digest(named) != digest):
+            label = f"`{named[:10]}`" + (" plus uncommitted changes" if env.get("uncommitted") else "")
+            state += f", found by the source digest (the measuring checkout's git named {label})"
     elif env.get("commit"):
         state = f"commit `{env['commit'][:10]}` ({env.get('commit_subject')})"
         if env.get("uncommitted"):
             state += f" plus uncommitted changes to {', '.join(env['uncommitted'])}"
     else:
         state = "a working tree without git metadata"
-    return f"{state}; package source digest `{env['source_digest']}`"
+    return f"{state}; package source digest `{digest}`" if digest else state
 
 
 def _environment_line(payload: dict) -> str:

@@ -2,6 +2,8 @@
 provider that fails reported as unavailable; --resume refuses a run measured another way."""
 
 import importlib.util
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -113,16 +115,42 @@ def _report():
     return report
 
 
-def test_the_report_names_the_commit_that_holds_a_runs_source():
-    """benchmarks/report.py finds a run's commit by its source digest (a device's copy of the checkout can carry
-    stale git metadata); its digest of a commit is the bench's own of that source."""
+def test_the_reports_digest_is_the_benchs():
+    """benchmarks/report.py's digest of a commit's package is flashtriton.bench's of the same source."""
     report = _report()
     head = report._git("rev-parse", "HEAD")
-    if head is None:
-        pytest.skip("not a git checkout")
-    digest = report.package_digest(head.decode().strip())
-    if not report._git("status", "--porcelain", "--", report.PACKAGE):  # the package is HEAD's, as in CI's clone
-        assert digest == bench._source_digest()
-    found = report.commit_of(digest)
-    assert found is not None and report.package_digest(found[0]) == digest
+    if head is None or report._git("status", "--porcelain", "--", report.PACKAGE):
+        pytest.skip("the package here is not a commit's (CI's clean clone is)")
+    assert report.package_digest(head.decode().strip()) == bench._source_digest()
+
+
+def _commit(repo: Path, message: str, files: dict[str, str]) -> str:
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    git = ["git", "-C", str(repo), "-c", "user.name=test", "-c", "user.email=test@example.invalid"]
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", message], check=True)
+    return subprocess.check_output([*git, "rev-parse", "HEAD"], text=True).strip()
+
+
+def test_the_report_names_the_commit_that_introduced_a_runs_source(tmp_path, monkeypatch):
+    """A run is named by the commit that introduced its package source (a device's copy of the checkout can carry
+    stale git metadata), not by a later commit that changed only other files; a run whose checkout named another
+    source says so."""
+    report = _report()
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    monkeypatch.setattr(report, "REPO", tmp_path)
+    first = _commit(tmp_path, "v1", {"src/flashtriton/a.py": "x = 1\n", "src/flashtriton/sub/b.py": "y = 2\n"})
+    docs = _commit(tmp_path, "docs", {"README.md": "docs\n", "src/flashtriton/notes.txt": "not source\n"})
+    second = _commit(tmp_path, "v2", {"src/flashtriton/a.py": "x = 3\n"})
+    v1, v2 = report.package_digest(first), report.package_digest(second)
+    assert v1 != v2 and report.package_digest(docs) == v1
+    assert report.commit_of(v1) == (first, "v1")
+    assert report.commit_of(v2) == (second, "v2")
     assert report.commit_of("no such digest") is None
+    stale = report._source_line({"source_digest": v1, "commit": second, "commit_subject": "v2"})
+    assert stale.startswith(f"commit `{first[:10]}` (v1), found by the source digest") and second[:10] in stale
+    assert "found by" not in report._source_line({"source_digest": v1, "commit": docs, "commit_subject": "docs"})
