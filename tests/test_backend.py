@@ -89,6 +89,9 @@ def test_hopper_scope():
     d64 = functools.partial(forward, "sm90", 64, torch.bfloat16)
     assert d64().tree_rows and not d64(banded=True).tree_rows and not d64(span=wide).tree_rows
     assert not forward("sm90", 128, torch.bfloat16).tree_rows
+    # the consumers' MMAs in turns for D=256 only, banded or not
+    assert forward("sm90", 256, torch.bfloat16).pingpong and forward("sm90", 256, torch.bfloat16, banded=True).pingpong
+    assert not any(forward("sm90", d, torch.bfloat16, span=s).pingpong for d in (64, 128) for s in (512, wide))
     assert forward("sm90", 64, torch.bfloat16, span=config.WIDE_BAND_SPAN, banded=True).consumers == 3
     # 64-key tiles for short banded spans only
     short = config.SHORT_BAND_SPAN

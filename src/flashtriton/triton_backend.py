@@ -217,7 +217,7 @@ def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperFor
         _gluon_view(out, cfg.block_m, q.shape[3] // cfg.o_pieces) if cfg.stage_o else None, out, out.stride(1),
         lse, **common, units=units, SCHEDULE=table, m_bits=bits[0], h_bits=bits[1], CONSUMERS=cfg.consumers,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_STAGES=cfg.q_stages, K_STAGES=cfg.stages,
-        V_STAGES=cfg.v_stages or cfg.stages, TREE_ROWS=cfg.tree_rows,
+        V_STAGES=cfg.v_stages or cfg.stages, TREE_ROWS=cfg.tree_rows, PINGPONG=cfg.pingpong,
     )  # fmt: skip
 
 

@@ -70,6 +70,7 @@ class HopperForwardConfig:
     q_stages: int = 1  # the forward's Q tiles per consumer warpgroup (2: the next tile's Q loads a tile ahead)
     o_pieces: int = 1  # stage_o: O goes out in this many column pieces (1 or 2) through a tile as much narrower
     tree_rows: bool = False  # the forward's row max and sum as trees of column halves, not chains
+    pingpong: bool = False  # the forward's consumers issue their MMAs in turns (named barriers, FA3's ping-pong)
 
     @property
     def rows(self) -> int:
@@ -172,10 +173,14 @@ _SM90_SHORT_BACKWARD = {128: BackwardConfig(32, 128, 128, 64, 8, 2, 3, tma=True)
 # (cuDNN 0.132-0.144), 1k 0.227-0.238 against 0.255-0.276, 16k 3.29-3.36 against 3.22-3.26 (3.42-3.54), causal 512
 # 0.100-0.102 against 0.117-0.119 (0.101-0.107), causal 16k 1.75-1.78 against 1.83-1.85 (1.78-1.90). A third K slot
 # (224 KB, no staged O) is level causal and 5-10% slower dense; a V ring of one slot beside it is slower still.
+# D=256 issues its MMAs in turns (pingpong, NOTES 58), forward kernel ms (H100, CUDA-graph replay, three rounds,
+# median) against without, same run: N=512 0.1319 -> 0.1245, 1k 0.2258 -> 0.2188, 16k 3.274 -> 3.130, causal 512
+# 0.1068 -> 0.1052 / 0.1092 -> 0.1060 (two runs), causal 2k 0.2461 -> 0.2386, causal 16k 1.779 -> 1.623; causal 1k
+# 0.1310 -> 0.1330. At D=64 it loses (causal 512 0.1310 -> 0.1379, causal 1k 0.1943 -> 0.2013).
 _SM90_HOPPER_FORWARD = {
     64: HopperForwardConfig(64, 128, 3, stage_o=True, q_stages=2),
     128: HopperForwardConfig(64, 128, 3, stage_o=True, v_stages=2),
-    256: HopperForwardConfig(64, 64, 2, stage_o=True, o_pieces=2),
+    256: HopperForwardConfig(64, 64, 2, stage_o=True, o_pieces=2, pingpong=True),
 }
 # Spans of WIDE_SPAN keys or more (WIDE_BAND_SPAN under a causal or window bound), by head dim: D=64 with three
 # consumer warpgroups (NOTES 36), forward kernel ms against two, same run: N=2k 0.627-0.636 -> 0.606-0.613, 4k

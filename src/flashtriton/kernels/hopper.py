@@ -8,7 +8,8 @@ softmax (or dS) arithmetic between its matrix multiplies, so the tensor cores id
              slot is full, ``empty[s]`` that every consumer is done with it)
   consumers  2 warpgroups (the forward: 2 or 3) with a tile of their own each, not synchronised with each
              other (except the fused backward's per-step dS exchange), so the SM can run one's arithmetic
-             beside another's MMAs (wgmma); explicit ping-pong turns measured no faster (benchmarks/NOTES.md 25).
+             beside another's MMAs (wgmma); the D=256 forward's take turns to issue theirs (FlashAttention-3's
+             ping-pong, by named barriers), which is no faster at D=64 and 128 (benchmarks/NOTES.md 25, 58).
 
 Forward: persistent, one program per SM looping over query tiles (causal: those a table from schedule.py
 lists for it, so that the programs end about together). The consumers own BLOCK_M query rows
@@ -383,24 +384,57 @@ def _forward_producer(q_desc, k_desc, v_desc, q_rings, k_ring, v_ring, N, H, GRO
 
 
 @gluon.jit
-def _pass(k_ring, v_ring, it, n):
-    """Lets n K/V positions from it on go by unread: waits for each tile to land, then releases it."""
+def _named_barrier(asm: gl.constexpr, bar):
+    """asm (bar.sync or bar.arrive on barrier $1 by one consumer warpgroup, completing with another's: 256 threads)
+    on named barrier ``bar``, once per thread of a warpgroup. (Gluon has no named barriers; the dummy output is
+    inline_asm_elementwise's.)"""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    gl.inline_asm_elementwise(asm + " $1, 256;\n\tmov.b32 $0, 0;", "=r,r", [gl.full([128], bar, gl.int32, one)],
+                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+# Named barriers of the consumers' turns, TURNS + w for warpgroup w (Triton's own barriers take the low ids).
+TURNS = gl.constexpr(8)
+
+
+@gluon.jit
+def _await_turn(turns):
+    """With turns = (W, CONSUMERS) (ping-pong), waits until warpgroup W may issue its MMAs; with turns = (), no-op."""
+    if len(turns) > 0:
+        _named_barrier("bar.sync", TURNS + turns[0])
+
+
+@gluon.jit
+def _hand_turn(turns):
+    """With turns = (W, CONSUMERS), gives the next warpgroup (in a ring of CONSUMERS) its turn, once W has issued."""
+    if len(turns) > 0:
+        _named_barrier("bar.arrive", TURNS + (turns[0] + 1) % turns[1])
+
+
+@gluon.jit
+def _pass(k_ring, v_ring, it, n, turns):
+    """Lets n K/V positions from it on go by unread: waits for each tile to land, then releases it (and, with
+    turns, takes and hands on a turn for each, as the warpgroups that multiply it do)."""
     for j in range(n):
         _take(k_ring, it + j)
         _give(k_ring, it + j)
         _take(v_ring, it + j)
         _give(v_ring, it + j)
+        _await_turn(turns)
+        _hand_turn(turns)
 
 
 @gluon.jit
-def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, qk_scale, window_left,
+def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, qk_scale, window_left, turns,
             CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
             TREE: gl.constexpr):  # fmt: skip
     """One warpgroup's query rows (Q in q_smem, position q_at of q_ring) against n_tiles (K, V) tiles from
     position it of their rings on: (O unnormalised, row max, row sum). Tile j's S = Q K_j^T is issued together
     with tile j-1's O += P V_{j-1}, and the softmax of S_j comes between the waits for the two (which ptxas
     moves to before the exps: benchmarks/NOTES.md 26). K_j goes back once S_j is done, V_j once P V_j is, and
-    Q once every S is, before the last P V."""
+    Q once every S is, before the last P V. With turns (_await_turn), each step's MMAs are issued in the
+    warpgroup's turn, so that the warpgroups' softmaxes run beside each other's MMAs (FlashAttention-3's ping-pong).
+    """
     BLOCK_M: gl.constexpr = q_smem.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(D)
@@ -411,7 +445,9 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     rows = first_row + gl.arange(0, BLOCK_M, rows_s)
     k = _take(k_ring, it)
+    _await_turn(turns)
     scores = warpgroup_mma(q_smem, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    _hand_turn(turns)
     scores = warpgroup_mma_wait(0, deps=(scores, q_smem, k))[0]
     _give(k_ring, it)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows_s)
@@ -421,9 +457,11 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
     for j in range(1, n_tiles):
         k = _take(k_ring, it + j)
+        _await_turn(turns)
         scores = warpgroup_mma(q_smem, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         v = _take(v_ring, it + j - 1)
         acc = warpgroup_mma(p, v, acc, is_async=True)
+        _hand_turn(turns)
         scores = warpgroup_mma_wait(1, deps=(scores, q_smem, k))[0]  # S_j done; P V_{j-1} may still run
         _give(k_ring, it + j)
         p_next, m_i, l_i, alpha = _online_softmax(
@@ -444,8 +482,8 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
 @gluon.jit
 def _forward_consumer(outputs, q_ring, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale, window_left,
                       W: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr,
-                      CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                      TREE: gl.constexpr):  # fmt: skip
+                      CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, TREE: gl.constexpr,
+                      PINGPONG: gl.constexpr):  # fmt: skip
     """Warpgroup W's rows of each of this program's tiles (its Q tiles come through q_ring). It multiplies only
     the key tiles its rows see (causal, a tile of three warpgroups' rows streams more than its first warpgroup
     needs) and lets the others go by, as it does a whole tile whose rows start past the sequence's end. The
@@ -458,6 +496,11 @@ def _forward_consumer(outputs, q_ring, k_ring, v_ring, N, H, CU_SEQLENS, units, 
     o_layout: gl.constexpr = _mma_layout(D)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     rows_s: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N))
+    turns = ()
+    if PINGPONG:  # every warpgroup takes a turn for each K/V tile of a tile, whether it multiplies it or not
+        turns = (W, CONSUMERS)
+        if W == CONSUMERS - 1:
+            _hand_turn(turns)  # warpgroup 0 goes first
     it = 0
     done = 0
     first, count = _program_tiles(schedule, units, CAUSAL)
@@ -475,10 +518,10 @@ def _forward_consumer(outputs, q_ring, k_ring, v_ring, N, H, CU_SEQLENS, units, 
                 lead = n_tiles
                 n_own = 0
             q_smem = _take(q_ring, done)
-            _pass(k_ring, v_ring, it, lead)
+            _pass(k_ring, v_ring, it, lead, turns)
             if n_own > 0:
                 acc, m_i, l_i = _attend(q_smem, q_ring, k_ring, v_ring, done, it + lead, first_row, own0, n_own,
-                                        qk_scale, window_left, CAUSAL, LEFT, BLOCK_N, D, TREE)  # fmt: skip
+                                        qk_scale, window_left, turns, CAUSAL, LEFT, BLOCK_N, D, TREE)  # fmt: skip
                 acc = acc / gl.expand_dims(gl.convert_layout(l_i, rows_o), 1)
                 lse = LSE + b * stride_lb + h * stride_lh + lse0 + first_row
                 gl.store(lse + gl.arange(0, BLOCK_M, rows_s), (m_i + gl.log2(l_i)) * LN2)
@@ -500,7 +543,7 @@ def _forward_consumer(outputs, q_ring, k_ring, v_ring, N, H, CU_SEQLENS, units, 
                     gl.store(out + gl.expand_dims(cols, 0), acc.to(q_smem.dtype))
             else:
                 _give(q_ring, done)
-            _pass(k_ring, v_ring, it + lead + n_own, n_tiles - lead - n_own)
+            _pass(k_ring, v_ring, it + lead + n_own, n_tiles - lead - n_own, turns)
             it += n_tiles
             done += 1
         e = e_next
@@ -513,7 +556,7 @@ def attention_forward_sm90_kernel(
     q_desc, k_desc, v_desc, o_desc, O, stride_o, LSE, stride_lb, stride_lh, N, H, GROUP, qk_scale, window_left,
     CU_SEQLENS, units, SCHEDULE, m_bits, h_bits, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr,
     CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, Q_STAGES: gl.constexpr,
-    K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, TREE_ROWS: gl.constexpr,
+    K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, TREE_ROWS: gl.constexpr, PINGPONG: gl.constexpr,
 ):  # fmt: skip
     """Persistent: program i of P runs the tiles that SCHEDULE lists for it (schedule.py, each entry's batch, head
     and tile in bit fields m_bits and h_bits wide: _forward_tile) or, where SCHEDULE is None, units i, i + P, ... of
@@ -525,7 +568,7 @@ def attention_forward_sm90_kernel(
     view, blocks of [BLOCK_M, D]) when that is not None. Rings of shared memory: Q_STAGES tiles per consumer
     warpgroup, K_STAGES K tiles and V_STAGES V tiles (V_j is read a step after K_j, so it can do with fewer).
     CAUSAL: query i sees keys j <= i, and with LEFT only j >= i - window_left. TREE_ROWS: the softmax's row max and
-    sum as trees (_row_max)."""
+    sum as trees (_row_max). PINGPONG: the consumers issue their MMAs in turns (_await_turn)."""
     k_ring = _ring(_tiles(k_desc, K_STAGES), CONSUMERS)
     v_ring = _ring(_tiles(v_desc, V_STAGES), CONSUMERS)
     q0 = _ring(_tiles(q_desc, Q_STAGES), 1)
@@ -543,9 +586,11 @@ def attention_forward_sm90_kernel(
         gl.warp_specialize(
             [
                 (_forward_consumer, (outputs, q0, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale,
-                                     window_left, 0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS)),
+                                     window_left, 0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS,
+                                     PINGPONG)),
                 (_forward_consumer, (outputs, q1, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale,
-                                     window_left, 1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS)),
+                                     window_left, 1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS,
+                                     PINGPONG)),
                 (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1), k_ring, v_ring, N, H, GROUP, CU_SEQLENS, units,
                                      schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N, D)),
             ],
@@ -557,11 +602,14 @@ def attention_forward_sm90_kernel(
         gl.warp_specialize(
             [
                 (_forward_consumer, (outputs, q0, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale,
-                                     window_left, 0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS)),
+                                     window_left, 0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS,
+                                     PINGPONG)),
                 (_forward_consumer, (outputs, q1, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale,
-                                     window_left, 1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS)),
+                                     window_left, 1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS,
+                                     PINGPONG)),
                 (_forward_consumer, (outputs, q2, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale,
-                                     window_left, 2, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS)),
+                                     window_left, 2, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS,
+                                     PINGPONG)),
                 (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1, q2), k_ring, v_ring, N, H, GROUP, CU_SEQLENS,
                                      units, schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N, D)),
             ],
