@@ -301,7 +301,7 @@ def _forward_tile(e, schedule, n_m, N, H, CU_SEQLENS, window_left, CAUSAL: gl.co
         b = e >> (1 + m_bits + h_bits)
         h = (e >> (1 + m_bits)) & ((1 << h_bits) - 1)
         r = e & 1
-        is_tile = pid_m >= 0  # every entry of the table is one
+        is_tile = True  # every entry of the table is one
     m0, seq0, n, lse0 = _query_tile(pid_m, b, n_m, N, CU_SEQLENS, CAUSAL, VARLEN, ROWS)
     key0, n_tiles = _key_tiles(m0, ROWS, n, window_left, CAUSAL, LEFT, BLOCK_N)
     valid = (m0 < n) & is_tile  # m0 < n: not past a shorter varlen sequence
