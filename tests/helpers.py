@@ -16,6 +16,17 @@ hopper = pytest.mark.skipif(
 )
 
 
+def poison_empty(monkeypatch) -> None:
+    """torch.empty fills floating tensors with NaN: an output that a kernel did not write would show."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
 @dataclass(frozen=True)
 class Target:
     name: str

@@ -1,13 +1,14 @@
 """FLASHTRITON_BACKEND selects the path; impossible selections fail with the fix."""
 
+import dataclasses
 import functools
 
 import pytest
 import torch
 
-from flashtriton import flash_attn_func, ops, torch_backend, triton_backend
+from flashtriton import flash_attn_func, flash_attn_varlen_func, ops, torch_backend, triton_backend
 from flashtriton.params import AttentionParams
-from helpers import hopper
+from helpers import hopper, poison_empty
 
 
 def test_auto_picks_torch_path_on_cpu(monkeypatch):
@@ -128,3 +129,44 @@ def test_hopper_kernels_run_where_they_fit(causal, head_dim, monkeypatch):
     # the first 1000 rows of causal attention see the same keys in both calls
     if causal:
         torch.testing.assert_close(out[:, :1000], ragged, atol=2e-2, rtol=0)
+
+
+@hopper
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_hopper_forward_turns_change_no_bits(head_dim, monkeypatch):
+    """The consumers' MMAs in turns (pingpong) only reorder their issue: every forward path gives the same bits with
+    and without, and none hangs. Causal tiles whose warpgroups own different numbers of key tiles, a window's lead
+    tiles, a sequence that ends inside a tile, three warpgroups (D=64's long spans)."""
+    poison_empty(monkeypatch)
+    choose = triton_backend.config.hopper_forward_config
+    calls = []
+    launch = triton_backend._hopper_forward
+    monkeypatch.setattr(triton_backend, "_hopper_forward", lambda *args: calls.append(args[-2]) or launch(*args))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def qkv(*shape):
+        return (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+
+    cu = torch.tensor([0, 64, 320, 448], device="cuda", dtype=torch.int32)  # 64 rows: half a two-warpgroup tile
+    cases = [
+        (flash_attn_func, (*qkv(2, 512, 3, head_dim),), {"causal": True}),
+        (flash_attn_func, (*qkv(1, 1024, 2, head_dim),), {"causal": True, "window_size": (300, 0)}),
+        (flash_attn_varlen_func, (*qkv(448, 2, head_dim), cu, cu, 256, 256), {"causal": True}),
+        (flash_attn_func, (*qkv(1, 2048, 2, head_dim),), {}),
+        (flash_attn_func, (*qkv(1, 4096, 1, head_dim),), {"causal": True}),
+    ]
+    for fn, args, kwargs in cases:
+        outs = []
+        for on in (False, True):
+            monkeypatch.setattr(triton_backend, "_PLANS", {})  # a plan is keyed by layout, not config
+            monkeypatch.setattr(
+                triton_backend.config,
+                "hopper_forward_config",
+                lambda *a, on=on, **kw: (cfg := choose(*a, **kw)) and dataclasses.replace(cfg, pingpong=on),
+            )
+            outs.append(fn(*args, **kwargs))
+        assert [cfg.pingpong for cfg in calls[-2:]] == [False, True]  # both ran the Gluon forward
+        assert not outs[0].isnan().any()
+        assert torch.equal(outs[0], outs[1])
+    if head_dim == 64:
+        assert {cfg.consumers for cfg in calls} == {2, 3}

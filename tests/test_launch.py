@@ -11,7 +11,7 @@ from triton.backends.nvidia.compiler import CUDABackend
 from triton.runtime.jit import JITFunction
 
 from flashtriton import flash_attn_func, launch, triton_backend
-from helpers import hopper
+from helpers import hopper, poison_empty
 
 
 def _descriptors() -> list[launch.Descriptor]:
@@ -130,17 +130,6 @@ def test_hopper_repeat_calls_skip_tritons_binding(monkeypatch):
             assert torch.equal(x, y)
 
 
-def _poisoned_empty(monkeypatch):
-    """torch.empty fills floating tensors with NaN: an output a replay did not write would show."""
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        x = empty(*args, **kwargs)
-        return x.fill_(float("nan")) if x.is_floating_point() else x
-
-    monkeypatch.setattr(torch, "empty", poisoned)
-
-
 @hopper
 @pytest.mark.parametrize(
     "head_dim, seqlen, causal",
@@ -151,7 +140,7 @@ def test_hopper_plans_replay_the_first_calls_launches(head_dim, seqlen, causal, 
     replays = []
     replay = launch.Plan.__call__
     monkeypatch.setattr(launch.Plan, "__call__", lambda self, **kw: replays.append(1) or replay(self, **kw))
-    _poisoned_empty(monkeypatch)
+    poison_empty(monkeypatch)
     planned_key = triton_backend._plan_key
 
     def step(seed: int, layout: str, plans: bool = True):

@@ -175,8 +175,9 @@ _SM90_SHORT_BACKWARD = {128: BackwardConfig(32, 128, 128, 64, 8, 2, 3, tma=True)
 # (224 KB, no staged O) is level causal and 5-10% slower dense; a V ring of one slot beside it is slower still.
 # D=256 issues its MMAs in turns (pingpong, NOTES 58), forward kernel ms (H100, CUDA-graph replay, three rounds,
 # median) against without, same run: N=512 0.1319 -> 0.1245, 1k 0.2258 -> 0.2188, 16k 3.274 -> 3.130, causal 512
-# 0.1068 -> 0.1052 / 0.1092 -> 0.1060 (two runs), causal 2k 0.2461 -> 0.2386, causal 16k 1.779 -> 1.623; causal 1k
-# 0.1310 -> 0.1330. At D=64 it loses (causal 512 0.1310 -> 0.1379, causal 1k 0.1943 -> 0.2013).
+# 0.1092 -> 0.1060 / 0.1068 -> 0.1052 / 0.1068 -> 0.1057 (three runs), causal 2k 0.2461 -> 0.2386, causal 16k 1.779
+# -> 1.623; causal 1k 0.1310 -> 0.1330. At D=64 it loses (causal 512 0.1310 -> 0.1379, causal 1k 0.1943 -> 0.2013),
+# at D=128 it is level; D=64's three warpgroups at 16k (4.349 -> 4.254, one run) are not followed up.
 _SM90_HOPPER_FORWARD = {
     64: HopperForwardConfig(64, 128, 3, stage_o=True, q_stages=2),
     128: HopperForwardConfig(64, 128, 3, stage_o=True, v_stages=2),

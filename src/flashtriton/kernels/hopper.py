@@ -7,9 +7,9 @@ softmax (or dS) arithmetic between its matrix multiplies, so the tensor cores id
   producer   1 warp: streams tiles through TMA into rings of shared-memory slots (``ready[s]`` says a
              slot is full, ``empty[s]`` that every consumer is done with it)
   consumers  2 warpgroups (the forward: 2 or 3) with a tile of their own each, not synchronised with each
-             other (except the fused backward's per-step dS exchange), so the SM can run one's arithmetic
-             beside another's MMAs (wgmma); the D=256 forward's take turns to issue theirs (FlashAttention-3's
-             ping-pong, by named barriers), which is no faster at D=64 and 128 (benchmarks/NOTES.md 25, 58).
+             other (except the fused backward's per-step dS exchange and, with the forward's PINGPONG, turns to
+             issue MMAs: FlashAttention-3's ping-pong, by named barriers, NOTES 58), so the SM can run one's
+             arithmetic beside another's MMAs (wgmma).
 
 Forward: persistent, one program per SM looping over query tiles (causal: those a table from schedule.py
 lists for it, so that the programs end about together). The consumers own BLOCK_M query rows
@@ -385,9 +385,9 @@ def _forward_producer(q_desc, k_desc, v_desc, q_rings, k_ring, v_ring, N, H, GRO
 
 @gluon.jit
 def _named_barrier(asm: gl.constexpr, bar):
-    """asm (bar.sync or bar.arrive on barrier $1 by one consumer warpgroup, completing with another's: 256 threads)
-    on named barrier ``bar``, once per thread of a warpgroup. (Gluon has no named barriers; the dummy output is
-    inline_asm_elementwise's.)"""
+    """asm (bar.sync or bar.arrive on barrier $1, completing with another warpgroup's: 256 threads) on named barrier
+    ``bar``, once per thread of the calling partition, which must be one warpgroup (4 warps, as the forward's
+    consumers are). Gluon has no named barriers; the dummy output is inline_asm_elementwise's."""
     one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     gl.inline_asm_elementwise(asm + " $1, 256;\n\tmov.b32 $0, 0;", "=r,r", [gl.full([128], bar, gl.int32, one)],
                               dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
@@ -413,15 +413,16 @@ def _hand_turn(turns):
 
 @gluon.jit
 def _pass(k_ring, v_ring, it, n, turns):
-    """Lets n K/V positions from it on go by unread: waits for each tile to land, then releases it (and, with
-    turns, takes and hands on a turn for each, as the warpgroups that multiply it do)."""
+    """Lets n K/V positions from it on go by unread: waits for each tile to land, then releases it. With turns, it
+    first takes and hands on a turn for each, as the warpgroups that multiply it do (before the wait: a warpgroup
+    that waited for a tile while the others waited for its turn could hold up the slot that tile needs)."""
     for j in range(n):
+        _await_turn(turns)
+        _hand_turn(turns)
         _take(k_ring, it + j)
         _give(k_ring, it + j)
         _take(v_ring, it + j)
         _give(v_ring, it + j)
-        _await_turn(turns)
-        _hand_turn(turns)
 
 
 @gluon.jit
@@ -432,9 +433,9 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
     position it of their rings on: (O unnormalised, row max, row sum). Tile j's S = Q K_j^T is issued together
     with tile j-1's O += P V_{j-1}, and the softmax of S_j comes between the waits for the two (which ptxas
     moves to before the exps: benchmarks/NOTES.md 26). K_j goes back once S_j is done, V_j once P V_j is, and
-    Q once every S is, before the last P V. With turns (_await_turn), each step's MMAs are issued in the
-    warpgroup's turn, so that the warpgroups' softmaxes run beside each other's MMAs (FlashAttention-3's ping-pong).
-    """
+    Q once every S is, before the last P V. With turns (_await_turn), the first S and each step's S and P V are
+    issued in the warpgroup's turn, so that the warpgroups' softmaxes run beside each other's MMAs
+    (FlashAttention-3's ping-pong); the last P V, as there, in none."""
     BLOCK_M: gl.constexpr = q_smem.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(D)
