@@ -481,17 +481,18 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
 
 
 @gluon.jit
-def _forward_consumer(outputs, q_ring, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale, window_left,
-                      W: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr,
-                      CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, TREE: gl.constexpr,
-                      PINGPONG: gl.constexpr):  # fmt: skip
+def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
+                      VARLEN: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                      TREE: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
     """Warpgroup W's rows of each of this program's tiles (its Q tiles come through q_ring). It multiplies only
     the key tiles its rows see (causal, a tile of three warpgroups' rows streams more than its first warpgroup
     needs) and lets the others go by, as it does a whole tile whose rows start past the sequence's end. The
     epilogue stores O straight from registers or, with outputs' o_store = (o_desc, a tile per warpgroup),
     through shared memory and a TMA store that runs on while the next tile starts (a register store writes each
     row's columns in 16-byte pieces, 8 rows per instruction: about 1.5 us per tile at D=128, NOTES 34).
-    outputs: (O, its row stride, o_store, LSE, LSE's batch and head strides)."""
+    shared: what every consumer takes, (outputs, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale,
+    window_left), outputs being (O, its row stride, o_store, LSE, LSE's batch and head strides)."""
+    outputs, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale, window_left = shared
     O, stride_o, o_store, LSE, stride_lb, stride_lh = outputs
     BLOCK_M: gl.constexpr = q_ring[0].shape[1]
     o_layout: gl.constexpr = _mma_layout(D)
@@ -582,16 +583,13 @@ def attention_forward_sm90_kernel(
     if o_desc is not None:
         o_store = (o_desc, _tiles(o_desc, CONSUMERS))
     outputs = (O, stride_o, o_store, LSE, stride_lb, stride_lh)
+    shared = (outputs, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale, window_left)
     # 64K registers per SM: 232 per thread for each of two consumer warpgroups, 160 for three
     if CONSUMERS == 2:
         gl.warp_specialize(
             [
-                (_forward_consumer, (outputs, q0, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale,
-                                     window_left, 0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS,
-                                     PINGPONG)),
-                (_forward_consumer, (outputs, q1, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale,
-                                     window_left, 1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS,
-                                     PINGPONG)),
+                (_forward_consumer, (shared, q0, 0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS, PINGPONG)),
+                (_forward_consumer, (shared, q1, 1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS, PINGPONG)),
                 (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1), k_ring, v_ring, N, H, GROUP, CU_SEQLENS, units,
                                      schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N, D)),
             ],
@@ -602,15 +600,9 @@ def attention_forward_sm90_kernel(
         q2 = _ring(_tiles(q_desc, Q_STAGES), 1)
         gl.warp_specialize(
             [
-                (_forward_consumer, (outputs, q0, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale,
-                                     window_left, 0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS,
-                                     PINGPONG)),
-                (_forward_consumer, (outputs, q1, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale,
-                                     window_left, 1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS,
-                                     PINGPONG)),
-                (_forward_consumer, (outputs, q2, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale,
-                                     window_left, 2, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS,
-                                     PINGPONG)),
+                (_forward_consumer, (shared, q0, 0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS, PINGPONG)),
+                (_forward_consumer, (shared, q1, 1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS, PINGPONG)),
+                (_forward_consumer, (shared, q2, 2, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS, PINGPONG)),
                 (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1, q2), k_ring, v_ring, N, H, GROUP, CU_SEQLENS,
                                      units, schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N, D)),
             ],
