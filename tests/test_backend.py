@@ -8,7 +8,7 @@ import torch
 
 from flashtriton import flash_attn_func, flash_attn_varlen_func, ops, torch_backend, triton_backend
 from flashtriton.params import AttentionParams
-from helpers import hopper, poison_empty
+from helpers import assert_close_to_reference, hopper, poison_empty
 
 
 def test_auto_picks_torch_path_on_cpu(monkeypatch):
@@ -170,3 +170,23 @@ def test_hopper_forward_turns_change_no_bits(head_dim, monkeypatch):
         assert torch.equal(outs[0], outs[1])
     if head_dim == 64:
         assert {cfg.consumers for cfg in calls} == {2, 3}
+
+
+def test_preprocess_zeroes_the_fused_backwards_dq():
+    """The preprocess kernel computes delta = rowsum(dO * O) - dLSE and, given the fused backward's fp32 dQ, zeroes
+    its rows (ragged rows and columns past D included), in whichever of the interpreter or the GPU runs here."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    batch, n, heads, head_dim = 2, 37, 3, 40
+    out, dout = (torch.randn(batch, n, heads, head_dim, device=device, dtype=torch.bfloat16) for _ in range(2))
+    dlse = torch.randn(batch, heads, n, device=device)
+    delta = torch.full_like(dlse, float("nan"))
+    dq = torch.full((batch, n, heads, head_dim), float("nan"), device=device)
+    triton_backend._PREPROCESS[(2, batch * heads)](
+        out, dout, dlse, delta, dq, *triton_backend._strides(out), *triton_backend._strides(dout),
+        *triton_backend._strides(dq), dlse.stride(0), dlse.stride(1),
+        N_Q=n, H=heads, CU_SEQLENS_Q=None, D=head_dim, BLOCK_D=64, BLOCK_M=32, VARLEN=False,
+    )  # fmt: skip
+    assert torch.equal(dq, torch.zeros_like(dq))
+    exact = (out.double() * dout.double()).sum(-1).transpose(1, 2) - dlse.double()
+    plain = (out * dout).sum(-1).transpose(1, 2).float() - dlse
+    assert_close_to_reference("delta", delta, exact, plain)

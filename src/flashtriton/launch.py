@@ -218,23 +218,19 @@ class Bound:
         self.c_launch(*args)
 
 
-def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, zeroed: bool) -> torch.Tensor:
-    return (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
-
-
 class Plan(NamedTuple):
     """One call's allocations and launches, for later calls of the same layout: ``plan(**inputs)`` allocates as
     the call did, launches each Bound with the tensors named in its slots, and returns every tensor by name.
     ``constants`` are tensors that every call of the layout reads (a cached schedule), held by name."""
 
-    allocations: tuple[tuple[str, tuple[int, ...], torch.dtype, torch.device, bool], ...]
+    allocations: tuple[tuple[str, tuple[int, ...], torch.dtype, torch.device], ...]
     launches: tuple[tuple[Bound, tuple[str, ...]], ...]
     constants: tuple[tuple[str, torch.Tensor], ...] = ()
 
     def __call__(self, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
         tensors.update(self.constants)
-        for name, shape, dtype, device, zeroed in self.allocations:
-            tensors[name] = _allocate(shape, dtype, device, zeroed)
+        for name, shape, dtype, device in self.allocations:
+            tensors[name] = torch.empty(shape, dtype=dtype, device=device)
         for bound, names in self.launches:
             bound([tensors[name] for name in names])
         return tensors
@@ -253,10 +249,10 @@ class Recorder:
         self.launches: list[tuple[Bound, tuple[str, ...]]] = []
         self.replayable = True
 
-    def empty(self, name: str, shape, dtype: torch.dtype, device: torch.device, zeroed: bool = False) -> torch.Tensor:
+    def empty(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         shape = tuple(shape)
-        x = _allocate(shape, dtype, device, zeroed)
-        self.allocations.append((name, shape, dtype, device, zeroed))
+        x = torch.empty(shape, dtype=dtype, device=device)
+        self.allocations.append((name, shape, dtype, device))
         self.tensors[name] = x
         return x
 

@@ -478,8 +478,8 @@ def backward(
     fused = on_hopper and not p.deterministic and _span(p, n_q, n_k) >= hopper_cfg.fused_span
     pair = on_hopper and not fused and hopper_cfg.dq is not None
     delta = recorder.empty("delta", lse.shape, torch.float32, q.device)
-    # the fused kernel adds dQ's shares up in fp32
-    dq = recorder.empty("dq", q.shape, torch.float32 if fused else run_dtype, q.device, zeroed=fused)
+    # the fused kernel adds dQ's shares up in fp32, zeroed by the preprocess kernel
+    dq = recorder.empty("dq", q.shape, torch.float32 if fused else run_dtype, q.device)
     dk = recorder.empty("dk", k.shape, run_dtype, q.device)
     dv = recorder.empty("dv", v.shape, run_dtype, q.device)
     if pair:  # dQ's own pass, which also computes delta for the dK/dV kernel after it
@@ -492,7 +492,8 @@ def backward(
     lse_strides = _lse_strides(lse, p.varlen)
     block = config.PREPROCESS_BLOCK_M
     recorder.add(_PREPROCESS.bind((_cdiv(n_q, block), batch * heads))(
-        out, dout, dlse, delta, *_strides(out, p.varlen), *_strides(dout, p.varlen), *lse_strides,
+        out, dout, dlse, delta, dq if fused else None,
+        *_strides(out, p.varlen), *_strides(dout, p.varlen), *_strides(dq, p.varlen), *lse_strides,
         N_Q=n_q, CU_SEQLENS_Q=p.cu_seqlens_q, BLOCK_M=block, VARLEN=p.varlen, **common,
     ))  # fmt: skip
     if fused:  # one pass: dK, dV and dQ, whose shares the key tiles add up in no fixed order

@@ -9,7 +9,8 @@ Q, K and the forward's LSE, one tile at a time.
 
   preprocess   grid (cdiv(N_Q, BLOCK_M), B * H): delta = rowsum(dO * O) - dLSE, fp32.
                (Subtracting dLSE makes gradients flow through the returned LSE for free:
-               dS = P * (dP - delta) with d(LSE)/dS = P.)
+               dS = P * (dP - delta) with d(LSE)/dS = P.) Given DQ, also zeroes its rows: the
+               fp32 dQ into which the fused Hopper backward adds each key tile's share.
   dK/dV        grid (cdiv(N_K, BLOCK_N), B * HKV): a program owns one key tile of one K/V head and
                streams the query tiles of all GROUP query heads that see it, so GQA needs no atomics.
   dQ           grid (cdiv(N_Q, BLOCK_M), B * H): a program owns one query tile and streams the keys
@@ -49,9 +50,10 @@ from .common import (
 
 @triton.jit(do_not_specialize=["N_Q", "H"])
 def attention_backward_preprocess_kernel(
-    O, DO, DLSE, DELTA,
+    O, DO, DLSE, DELTA, DQ,
     stride_ob, stride_om, stride_oh,
     stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
     stride_lb, stride_lh,
     N_Q, H, CU_SEQLENS_Q,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr,
@@ -70,6 +72,9 @@ def attention_backward_preprocess_kernel(
     row_ptrs = b * stride_lb + h * stride_lh + q_start + rows
     dlse = tl.load(DLSE + row_ptrs, mask=rows < N_Q, other=0.0)
     tl.store(DELTA + row_ptrs, tl.sum(o * do, 1) - dlse, mask=rows < N_Q)
+    if DQ is not None:
+        dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + (q_start + rows[:, None]) * stride_dqm + offs_d[None, :]
+        store_tile(dq_ptrs, tl.zeros_like(o), rows, N_Q, offs_d, D, False, BLOCK_D == D)
 
 
 @triton.jit
