@@ -379,12 +379,14 @@ def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams,
     cols = head_dim // 2 if cfg.split_d else head_dim  # of dK and dV per warpgroup
     if dq_sums is not None:  # TMA reductions of D / 2 columns per warpgroup, split_d's in two pieces
         dq_sums = _gluon_view(dq_sums, cfg.block_m, cols // 2)
-    return _DKDV_SM90.bind((_cdiv(n, cfg.keys), batch * k.shape[2]))(
+    heads, blocks = batch * k.shape[2], _cdiv(n, cfg.keys)
+    order_heads = min(max(cfg.order_programs // blocks, 1), config.ORDER_HEADS, heads) if common["CAUSAL"] else 1
+    return _DKDV_SM90.bind((blocks * heads,))(
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
         _gluon_view(dout, cfg.block_m), _gluon_view(dk, cfg.block_n, cols), _gluon_view(dv, cfg.block_n, cols),
         dq_sums, _gluon_rows(lse, cfg.block_m), _gluon_rows(delta, cfg.block_m), softmax_scale=p.softmax_scale,
-        **common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, DQ_LATE=cfg.dq_late,
-        READ_AHEAD=cfg.read_ahead, SPLIT_D=cfg.split_d,
+        order_heads=order_heads, **common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+        DQ_LATE=cfg.dq_late, READ_AHEAD=cfg.read_ahead, SPLIT_D=cfg.split_d,
     )  # fmt: skip
 
 

@@ -92,6 +92,8 @@ class HopperBackwardConfig:
     dq_late: bool = False  # fused: a step's dQ multiply is issued beside the next step's S^T and dP^T
     read_ahead: bool = False  # dK/dV: a step's LSE and delta are read before its wgmmas are issued (more registers)
     split_d: bool = False  # fused only: each consumer warpgroup takes half of D's columns (P^T, dS^T shared)
+    order_programs: int = 0  # causal dK/dV: programs in groups of whole K/V heads, about this many programs (at
+    # most ORDER_HEADS heads), each group's longest key blocks first; 0: one head at a time
 
     @property
     def keys(self) -> int:
@@ -104,6 +106,9 @@ class HopperBackwardConfig:
         rows = math.lcm(self.block_m, self.keys)
         return rows if self.dq is None else math.lcm(rows, 2 * self.dq.block_m, self.dq.block_n)
 
+
+# The most K/V heads in one group of order_programs.
+ORDER_HEADS = 16
 
 # Rows of the preprocessing kernel (delta = rowsum(dO * O)) per program.
 PREPROCESS_BLOCK_M = 64
@@ -260,10 +265,20 @@ SCHEDULE_MAX_TILES = 2**17
 # 9.75 and 7.30, N=512 0.646 against 0.939 and 0.712, causal 512 0.463 against 0.730 and 0.481; with the slot given
 # back a step later (defer): 16k 12.88 (cuDNN 15.22), 4k 3.39 against 3.71 (3.73), causal 4k 1.86 against 2.01
 # (2.01), 1k 0.994 against 1.077 (1.135). No Gluon dQ kernel: deterministic=True runs the portable pair.
+# Causal dK/dV programs in groups of heads, each group's longest key blocks first (NOTES 61), so that the grid's
+# last programs are short ones; larger groups read Q and dO from DRAM more than once. dK/dV kernel us (D=64/256 and
+# D=128 from 2k with dQ's zeroing), H100, CUDA-graph replay, median of three rounds, order_programs 0 / 64 / 128 /
+# 256: D=256 causal 512 433 / 422 / 428 / 429, 1k 600 / 588 / 596 / 597, 2k-16k within 1%; D=128 causal 512 203 /
+# 195 / 198 / 198, 1k 313 / 314 / 300 / 302, 2k 841 / 827 / 795 / 832, 4k 1522 / 1539 / 1490 / 1524, 8k 2903 /
+# 2922 / 2814 / 2807, 16k 5453 / 5425 / 5424 / 5446; D=64 causal 512 395 / 389 / 391 / 389, 1k 566 / 567 / 563 /
+# 564, 2k 951 / 936 / 936 / 937, 4k 1712 / 1733 / 1673 / 1684, 8k 3216 / 3192 / 3107 / 3062, 16k 6260 / 6270 /
+# 6261 / 6127.
 _SM90_HOPPER_BACKWARD = {
-    64: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3, 512, dq_late=True, read_ahead=True),
-    128: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3, 2048),
-    256: HopperBackwardConfig(None, 64, 64, 2, 0, split_d=True),
+    64: HopperBackwardConfig(
+        HopperForwardConfig(64, 128, 2), 64, 64, 3, 512, dq_late=True, read_ahead=True, order_programs=256
+    ),
+    128: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3, 2048, order_programs=128),
+    256: HopperBackwardConfig(None, 64, 64, 2, 0, split_d=True, order_programs=64),
 }
 
 # Other CUDA GPUs (smaller shared memory than Hopper): conservative tiles.

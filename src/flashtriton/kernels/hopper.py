@@ -863,22 +863,28 @@ def _dkdv_split_consumer(dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_b
 @gluon.jit
 def attention_backward_dkdv_sm90_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc, stride_lb, stride_lh, N, H,
-    GROUP, qk_scale, softmax_scale, window_left, CU_SEQLENS,
+    GROUP, qk_scale, softmax_scale, window_left, CU_SEQLENS, order_heads,
     CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     D: gl.constexpr, STAGES: gl.constexpr, DQ_LATE: gl.constexpr, READ_AHEAD: gl.constexpr, SPLIT_D: gl.constexpr,
 ):  # fmt: skip
-    """Grid (N / KEYS, B * HKV): dK, dV of KEYS keys of one K/V head, two consumer warpgroups and a producer warp
+    """Grid (N / KEYS * B * HKV,): dK, dV of KEYS keys of one K/V head, two consumer warpgroups and a producer warp
     streaming the (Q, dO, LSE, delta) tiles of the GQA group; lse/delta_desc: LSE and DELTA as flat vectors, in
     blocks of BLOCK_M entries. The warpgroups take BLOCK_N keys each (KEYS = 2 * BLOCK_N) or, SPLIT_D, the same
     KEYS = BLOCK_N keys and half of D's columns each (_dkdv_split_consumer). k/v_desc: blocks of BLOCK_N x D;
     dk/dv_desc: of BLOCK_N x D, or D / 2 when SPLIT_D. dq_desc: None, or fp32 (B * N, H * D) rows to which these
     keys' dQ shares are added (TMA reductions), in blocks of BLOCK_M x D / 2, or D / 4 when SPLIT_D."""
-    pid_n = gl.program_id(0)
-    pid_bh = gl.program_id(1)
+    KEYS: gl.constexpr = BLOCK_N if SPLIT_D else 2 * BLOCK_N
+    # programs in groups of order_heads K/V heads, each group's key blocks in order: its first blocks (causal: the
+    # longest) before the next
+    n_blocks = gl.cdiv(N, KEYS)
+    pid = gl.program_id(0)
+    group0 = pid // (order_heads * n_blocks) * order_heads
+    in_group = gl.minimum(order_heads, gl.num_programs(0) // n_blocks - group0)
+    pid_n = (pid - group0 * n_blocks) // in_group
+    pid_bh = group0 + (pid - group0 * n_blocks) % in_group
     hkv = H // GROUP
     b = pid_bh // hkv
     hk = pid_bh % hkv
-    KEYS: gl.constexpr = BLOCK_N if SPLIT_D else 2 * BLOCK_N
     n0 = pid_n * KEYS
     seq0, N, lse0 = _sequence(CU_SEQLENS, b, N, VARLEN)
     if VARLEN:
