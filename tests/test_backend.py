@@ -131,40 +131,55 @@ def test_hopper_kernels_run_where_they_fit(causal, head_dim, monkeypatch):
         torch.testing.assert_close(out[:, :1000], ragged, atol=2e-2, rtol=0)
 
 
+def _config_switch(monkeypatch, launcher: str, chooser: str, cfg_at: int):
+    """For tests that run a Gluon path with a config field switched: poisons torch.empty, notes the config that each
+    call of triton_backend's `launcher` gets (its argument at cfg_at), and returns (run, noted) where run(field, value,
+    fn, *args, **kwargs) calls fn(*args, **kwargs) with config.`chooser`'s configs holding that value."""
+    poison_empty(monkeypatch)
+    choose = getattr(triton_backend.config, chooser)
+    launch = getattr(triton_backend, launcher)
+    noted = []
+    monkeypatch.setattr(triton_backend, launcher, lambda *args: noted.append(args[cfg_at]) or launch(*args))
+
+    def run(field: str, value, fn, *args, **kwargs):
+        def switched(*a, **kw):
+            cfg = choose(*a, **kw)
+            return cfg and dataclasses.replace(cfg, **{field: value})
+
+        monkeypatch.setattr(triton_backend, "_PLANS", {})  # a plan is keyed by layout, not config
+        monkeypatch.setattr(triton_backend.config, chooser, switched)
+        return fn(*args, **kwargs)
+
+    return run, noted
+
+
+def _qkv(gen: torch.Generator, *shape: int, group: int = 1, grad: bool = False) -> list[torch.Tensor]:
+    """q of this shape and k, v with group times fewer heads (the next-to-last dim), bf16 on the GPU."""
+    kv_shape = (*shape[:-2], shape[-2] // group, shape[-1])
+    return [
+        torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(grad)
+        for s in (shape, kv_shape, kv_shape)
+    ]
+
+
 @hopper
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_hopper_forward_turns_change_no_bits(head_dim, monkeypatch):
     """The consumers' MMAs in turns (pingpong) only reorder their issue: every forward path gives the same bits with
     and without, and none hangs. Causal tiles whose warpgroups own different numbers of key tiles, a window's lead
     tiles, a sequence that ends inside a tile, three warpgroups (D=64's long spans)."""
-    poison_empty(monkeypatch)
-    choose = triton_backend.config.hopper_forward_config
-    calls = []
-    launch = triton_backend._hopper_forward
-    monkeypatch.setattr(triton_backend, "_hopper_forward", lambda *args: calls.append(args[-2]) or launch(*args))
+    run, calls = _config_switch(monkeypatch, "_hopper_forward", "hopper_forward_config", -2)
     gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def qkv(*shape):
-        return (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
-
     cu = torch.tensor([0, 64, 320, 448], device="cuda", dtype=torch.int32)  # 64 rows: half a two-warpgroup tile
     cases = [
-        (flash_attn_func, (*qkv(2, 512, 3, head_dim),), {"causal": True}),
-        (flash_attn_func, (*qkv(1, 1024, 2, head_dim),), {"causal": True, "window_size": (300, 0)}),
-        (flash_attn_varlen_func, (*qkv(448, 2, head_dim), cu, cu, 256, 256), {"causal": True}),
-        (flash_attn_func, (*qkv(1, 2048, 2, head_dim),), {}),
-        (flash_attn_func, (*qkv(1, 4096, 1, head_dim),), {"causal": True}),
+        (flash_attn_func, _qkv(gen, 2, 512, 3, head_dim), {"causal": True}),
+        (flash_attn_func, _qkv(gen, 1, 1024, 2, head_dim), {"causal": True, "window_size": (300, 0)}),
+        (flash_attn_varlen_func, [*_qkv(gen, 448, 2, head_dim), cu, cu, 256, 256], {"causal": True}),
+        (flash_attn_func, _qkv(gen, 1, 2048, 2, head_dim), {}),
+        (flash_attn_func, _qkv(gen, 1, 4096, 1, head_dim), {"causal": True}),
     ]
     for fn, args, kwargs in cases:
-        outs = []
-        for on in (False, True):
-            monkeypatch.setattr(triton_backend, "_PLANS", {})  # a plan is keyed by layout, not config
-            monkeypatch.setattr(
-                triton_backend.config,
-                "hopper_forward_config",
-                lambda *a, on=on, **kw: (cfg := choose(*a, **kw)) and dataclasses.replace(cfg, pingpong=on),
-            )
-            outs.append(fn(*args, **kwargs))
+        outs = [run("pingpong", on, fn, *args, **kwargs) for on in (False, True)]
         assert [cfg.pingpong for cfg in calls[-2:]] == [False, True]  # both ran the Gluon forward
         assert not outs[0].isnan().any()
         assert torch.equal(outs[0], outs[1])
@@ -192,46 +207,31 @@ def test_preprocess_zeroes_the_fused_backwards_dq():
     assert_close_to_reference("delta", delta, exact, plain)
 
 
+def _input_grads(fn, *args, **kwargs) -> tuple[torch.Tensor, ...]:
+    """dq, dk, dv of fn(q, k, v, ...).sum()."""
+    out = fn(*args, **kwargs)
+    return torch.autograd.grad(out, args[:3], torch.ones_like(out))
+
+
 @hopper
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_hopper_backward_order_changes_no_bits(head_dim, monkeypatch):
     """The causal dK/dV programs in groups of heads (order_programs) only reorder the grid: every key block of every
     head runs once, whole groups and a last partial one (20 K/V heads in groups of 16), GQA, ragged sequences."""
-    poison_empty(monkeypatch)
-    choose = triton_backend.config.hopper_backward_config
-    calls = []
-    launch = triton_backend._hopper_dkdv
-    monkeypatch.setattr(triton_backend, "_hopper_dkdv", lambda *args: calls.append(args[-1]) or launch(*args))
+    run, calls = _config_switch(monkeypatch, "_hopper_dkdv", "hopper_backward_config", -1)
     gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def qkv(*shape, group=1):
-        kv_shape = (*shape[:-2], shape[-2] // group, shape[-1])
-        return [
-            torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-            for s in (shape, kv_shape, kv_shape)
-        ]
-
     cu = torch.tensor([0, 128, 640, 768], device="cuda", dtype=torch.int32)
     cases = [
-        (flash_attn_func, qkv(5, 512, 4, head_dim), {"causal": True}),
-        (flash_attn_func, qkv(2, 1024, 6, head_dim, group=3), {"causal": True}),
-        (flash_attn_func, qkv(1, 1024, 2, head_dim), {"causal": True, "window_size": (300, 0)}),
-        (flash_attn_varlen_func, [*qkv(768, 7, head_dim), cu, cu, 512, 512], {"causal": True}),
+        (flash_attn_func, _qkv(gen, 5, 512, 4, head_dim, grad=True), {"causal": True}),
+        (flash_attn_func, _qkv(gen, 2, 1024, 6, head_dim, group=3, grad=True), {"causal": True}),
+        (flash_attn_func, _qkv(gen, 1, 1024, 2, head_dim, grad=True), {"causal": True, "window_size": (300, 0)}),
+        (flash_attn_varlen_func, [*_qkv(gen, 768, 7, head_dim, grad=True), cu, cu, 512, 512], {"causal": True}),
     ]
     for fn, args, kwargs in cases:
-        grads = []
-        for order in (0, 10**6):
-            monkeypatch.setattr(triton_backend, "_PLANS", {})  # a plan is keyed by layout, not config
-            monkeypatch.setattr(
-                triton_backend.config,
-                "hopper_backward_config",
-                lambda *a, order=order: dataclasses.replace(choose(*a), order_programs=order),
-            )
-            out = fn(*args, **kwargs)
-            inputs = args[:3]
-            grads.append(torch.autograd.grad(out, inputs, torch.ones_like(out)))
+        (dq0, dk0, dv0), (dq1, dk1, dv1) = (
+            run("order_programs", order, _input_grads, fn, *args, **kwargs) for order in (0, 10**6)
+        )
         assert [cfg.order_programs for cfg in calls[-2:]] == [0, 10**6]  # both ran the Gluon dK/dV kernel
-        (dq0, dk0, dv0), (dq1, dk1, dv1) = grads
         assert not (dk0.isnan().any() or dv0.isnan().any() or dq0.isnan().any())
         assert torch.equal(dk0, dk1) and torch.equal(dv0, dv1)
         torch.testing.assert_close(dq1, dq0, atol=2e-2, rtol=1e-2)  # dQ's shares add up in another order
