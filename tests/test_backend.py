@@ -189,7 +189,7 @@ def test_hopper_forward_turns_change_no_bits(head_dim, monkeypatch):
 
 def test_preprocess_zeroes_the_fused_backwards_dq():
     """The preprocess kernel computes delta = rowsum(dO * O) - dLSE and, given the fused backward's fp32 dQ, zeroes
-    its rows (ragged rows and columns past D included), in whichever of the interpreter or the GPU runs here."""
+    every row (a ragged last row block, D under BLOCK_D), in whichever of the interpreter or the GPU runs here."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch, n, heads, head_dim = 2, 37, 3, 40
     out, dout = (torch.randn(batch, n, heads, head_dim, device=device, dtype=torch.bfloat16) for _ in range(2))
@@ -217,7 +217,8 @@ def _input_grads(fn, *args, **kwargs) -> tuple[torch.Tensor, ...]:
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_hopper_backward_order_changes_no_bits(head_dim, monkeypatch):
     """The causal dK/dV programs in groups of heads (order_programs) only reorder the grid: every key block of every
-    head runs once, whole groups and a last partial one (20 K/V heads in groups of 16), GQA, ragged sequences."""
+    head runs once, whole groups and a last partial one (20 K/V heads in groups of 16), GQA, ragged sequences, the
+    fused kernel and, at D=64/128's short spans, the pair's dK/dV kernel."""
     run, calls = _config_switch(monkeypatch, "_hopper_dkdv", "hopper_backward_config", -1)
     gen = torch.Generator(device="cuda").manual_seed(0)
     cu = torch.tensor([0, 128, 640, 768], device="cuda", dtype=torch.int32)
@@ -225,6 +226,7 @@ def test_hopper_backward_order_changes_no_bits(head_dim, monkeypatch):
         (flash_attn_func, _qkv(gen, 5, 512, 4, head_dim, grad=True), {"causal": True}),
         (flash_attn_func, _qkv(gen, 2, 1024, 6, head_dim, group=3, grad=True), {"causal": True}),
         (flash_attn_func, _qkv(gen, 1, 1024, 2, head_dim, grad=True), {"causal": True, "window_size": (300, 0)}),
+        (flash_attn_func, _qkv(gen, 1, 4096, 3, head_dim, grad=True), {"causal": True}),  # D=128's fused kernel
         (flash_attn_varlen_func, [*_qkv(gen, 768, 7, head_dim, grad=True), cu, cu, 512, 512], {"causal": True}),
     ]
     for fn, args, kwargs in cases:
