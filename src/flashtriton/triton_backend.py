@@ -216,8 +216,8 @@ def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperFor
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
         _gluon_view(out, cfg.block_m, q.shape[3] // cfg.o_pieces) if cfg.stage_o else None, out, out.stride(1),
         lse, **common, units=units, SCHEDULE=table, m_bits=bits[0], h_bits=bits[1], CONSUMERS=cfg.consumers,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_STAGES=cfg.q_stages, K_STAGES=cfg.stages,
-        V_STAGES=cfg.v_stages or cfg.stages, TREE_ROWS=cfg.tree_rows, PINGPONG=cfg.pingpong,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_STAGES=cfg.q_stages, STAGES=cfg.stages,
+        TREE_ROWS=cfg.tree_rows, PINGPONG=cfg.pingpong,
     )  # fmt: skip
 
 

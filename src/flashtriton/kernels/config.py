@@ -63,10 +63,9 @@ class HopperForwardConfig:
 
     block_m: int  # query rows per consumer warpgroup
     block_n: int  # keys per K/V tile
-    stages: int  # K/V tiles in flight (slots of the shared-memory ring; the forward's K ring)
+    stages: int  # K/V tiles in flight (slots of the shared-memory rings: the forward's K ring and its V ring)
     stage_o: bool = False  # the forward's O through shared memory and a TMA store (consumers * block_m * D more of it)
     consumers: int = 2  # the forward's consumer warpgroups (2 or 3; the backward's dQ kernel has two)
-    v_stages: int | None = None  # the forward's V ring, if smaller than its K ring (V_j is read a step after K_j)
     q_stages: int = 1  # the forward's Q tiles per consumer warpgroup (2: the next tile's Q loads a tile ahead)
     o_pieces: int = 1  # stage_o: O goes out in this many column pieces (1 or 2) through a tile as much narrower
     tree_rows: bool = False  # the forward's row max and sum as trees of column halves, not chains
@@ -183,9 +182,16 @@ _SM90_SHORT_BACKWARD = {128: BackwardConfig(32, 128, 128, 64, 8, 2, 3, tma=True)
 # 0.1092 -> 0.1060 / 0.1068 -> 0.1052 / 0.1068 -> 0.1057 (three runs), causal 2k 0.2461 -> 0.2386, causal 16k 1.779
 # -> 1.623; causal 1k 0.1310 -> 0.1330. At D=64 it loses (causal 512 0.1310 -> 0.1379, causal 1k 0.1943 -> 0.2013),
 # at D=128 it is level; D=64's three warpgroups at 16k (4.349 -> 4.254, one run) are not followed up.
+# D=128 takes two K and two V slots and, in the room that frees, two Q tiles per warpgroup (NOTES 55 for unbanded
+# spans below 2k, NOTES 63 for the rest), forward kernel ms (H100, CUDA-graph replay, five rounds, min and max)
+# against three K and two V slots with one Q tile, two runs: N=512 0.1282-0.1298 / 0.1270-0.1300 against
+# 0.1331-0.1378 / 0.1330-0.1401 (cuDNN 0.1333 / 0.1321), 1k 0.2255-0.2306 against 0.2276-0.2435; medians of five and
+# of seven rounds (NOTES 63): causal 1k 0.1572 -> 0.1467, 2k 0.2594 -> 0.2537, 4k 0.4724 -> 0.4704, 8k 0.9283 ->
+# 0.8922 and 0.9324 -> 0.9032, 16k 1.7848 -> 1.7181 and 1.7980 -> 1.7385; dense 2k 0.4527 -> 0.4449, 4k 0.8870 ->
+# 0.8758 and 0.8869 -> 0.8829, 8k 1.7244 -> 1.7537, 16k 3.4140 -> 3.4262 and 3.4505 -> 3.4043 (level).
 _SM90_HOPPER_FORWARD = {
     64: HopperForwardConfig(64, 128, 3, stage_o=True, q_stages=2),
-    128: HopperForwardConfig(64, 128, 3, stage_o=True, v_stages=2),
+    128: HopperForwardConfig(64, 128, 2, stage_o=True, q_stages=2),
     256: HopperForwardConfig(64, 64, 2, stage_o=True, o_pieces=2, pingpong=True),
 }
 # Spans of WIDE_SPAN keys or more (WIDE_BAND_SPAN under a causal or window bound), by head dim: D=64 with three
@@ -201,15 +207,8 @@ WIDE_BAND_SPAN = 4096
 # Unbanded spans below WIDE_SPAN, by head dim: D=64 takes its row max and sum as trees (NOTES 51), forward kernel ms
 # (CUDA-graph replay) against chains, same run, four rounds: N=512 0.1870 -> 0.1818 (cuDNN 0.1877), 1k 0.3411 ->
 # 0.3292 (0.3353). Under a causal bound the max's tree is slower (2k 0.375 -> 0.398, 4k 0.686 -> 0.739), and D=128
-# lost 1% with both (N=1k 0.249 -> 0.252, 16k 3.43-3.46 -> 3.49). D=128 takes two K and two V slots and, in the
-# room that frees, two Q tiles per warpgroup (NOTES 55), forward kernel ms (H100, CUDA-graph replay, five rounds, min
-# and max) against three K and two V slots with one Q tile, two runs: N=512 0.1282-0.1298 / 0.1270-0.1300 against
-# 0.1331-0.1378 / 0.1330-0.1401 (cuDNN 0.1333 / 0.1321), 1k 0.2255-0.2306 against 0.2276-0.2435; from 4k slower
-# (0.942 against 0.841 ms); spans between 1k and 2k keys not measured.
-_SM90_HOPPER_FORWARD_UNBANDED = {
-    64: HopperForwardConfig(64, 128, 3, stage_o=True, q_stages=2, tree_rows=True),
-    128: HopperForwardConfig(64, 128, 2, stage_o=True, q_stages=2),
-}
+# lost 1% with both (N=1k 0.249 -> 0.252, 16k 3.43-3.46 -> 3.49).
+_SM90_HOPPER_FORWARD_UNBANDED = {64: HopperForwardConfig(64, 128, 3, stage_o=True, q_stages=2, tree_rows=True)}
 # Banded spans of SHORT_BAND_SPAN keys or fewer (causal N=512): 64-key tiles, whose diagonal tiles waste half as
 # much (NOTES 39), forward kernel ms against 128-key tiles, same run: D=64 causal 512 0.159 -> 0.141, D=128 0.117
 # -> 0.105; at causal 1k (a span of 512) they lose (D=64 0.221 -> 0.231), as they do unbanded. D=128 with three K

@@ -558,7 +558,7 @@ def attention_forward_sm90_kernel(
     q_desc, k_desc, v_desc, o_desc, O, stride_o, LSE, stride_lb, stride_lh, N, H, GROUP, qk_scale, window_left,
     CU_SEQLENS, units, SCHEDULE, m_bits, h_bits, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr,
     CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, Q_STAGES: gl.constexpr,
-    K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, TREE_ROWS: gl.constexpr, PINGPONG: gl.constexpr,
+    STAGES: gl.constexpr, TREE_ROWS: gl.constexpr, PINGPONG: gl.constexpr,
 ):  # fmt: skip
     """Persistent: program i of P runs the tiles that SCHEDULE lists for it (schedule.py, each entry's batch, head
     and tile in bit fields m_bits and h_bits wide: _forward_tile) or, where SCHEDULE is None, units i, i + P, ... of
@@ -568,11 +568,11 @@ def attention_forward_sm90_kernel(
     at rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] (N the longest), each a whole number of BLOCK_M and of BLOCK_N
     rows; O: the output, rows stride_o apart in that view, stored from registers, or through o_desc (the same
     view, blocks of [BLOCK_M, D]) when that is not None. Rings of shared memory: Q_STAGES tiles per consumer
-    warpgroup, K_STAGES K tiles and V_STAGES V tiles (V_j is read a step after K_j, so it can do with fewer).
+    warpgroup, STAGES K tiles and STAGES V tiles.
     CAUSAL: query i sees keys j <= i, and with LEFT only j >= i - window_left. TREE_ROWS: the softmax's row max and
     sum as trees (_row_max). PINGPONG: the consumers issue their MMAs in turns (_await_turn)."""
-    k_ring = _ring(_tiles(k_desc, K_STAGES), CONSUMERS)
-    v_ring = _ring(_tiles(v_desc, V_STAGES), CONSUMERS)
+    k_ring = _ring(_tiles(k_desc, STAGES), CONSUMERS)
+    v_ring = _ring(_tiles(v_desc, STAGES), CONSUMERS)
     q0 = _ring(_tiles(q_desc, Q_STAGES), 1)
     q1 = _ring(_tiles(q_desc, Q_STAGES), 1)
     n_m = gl.cdiv(N, CONSUMERS * BLOCK_M)
