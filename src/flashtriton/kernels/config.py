@@ -154,14 +154,14 @@ _SM90_SHORT_FORWARD = {128: ForwardConfig(64, 64, 4, 3, tma=True)}
 # long span (16k causal dK/dV 4.13 -> 4.84 ms). With TMA: window 1024 1.28 -> 1.21 ms, documents 1.33 -> 1.27.
 _SM90_SHORT_BACKWARD = {128: BackwardConfig(32, 128, 128, 64, 8, 2, 3, tma=True)}
 
-# The Gluon forward on sm90, by head dim (H200, kernel times in one run with cuDNN, B * N = 16k, H * D = 2048,
-# N = 16k, TFLOP/s non-causal / causal): D=128 615 / 591 against the portable kernel's 504 / 472 and cuDNN's
-# 601 / 551; D=64 440 / 412 against 424 / 400 and 452 / 434. Three K/V slots beat two (D=128: 615 against 518);
-# 64-key tiles lose (559). Persistent since (benchmarks/NOTES.md 24; forward kernel ms against the grid of one
-# program per tile, same run): D=128 N=512 0.166-0.171 -> 0.152-0.157, causal N=1k 0.181-0.186 -> 0.168-0.173,
-# N=4k 0.821 -> 0.831-0.837, 16k within noise. D=64 now beats the portable kernel at short N too (N=512 0.209 ->
-# 0.204-0.206, 1k 0.354 -> 0.340, causal 0.244 -> 0.233, causal 2k 0.398 -> 0.380), so its former threshold
-# (Gluon only from a span of 2048 keys) is gone.
+# The Gluon forward on sm90, by head dim (H200, kernel times in one run with cuDNN, B * N = 16k, H * D = 2048, N = 16k,
+# TFLOP/s non-causal / causal): D=128 615 / 591 against the portable kernel's 504 / 472 and cuDNN's 601 / 551; D=64 440
+# / 412 against 424 / 400 and 452 / 434. Three K/V slots beat two (D=128: 615 against 518, with one Q tile per
+# warpgroup; with two, two slots win: below); 64-key tiles lose (559). Persistent since (benchmarks/NOTES.md 24; forward
+# kernel ms against the grid of one program per tile, same run): D=128 N=512 0.166-0.171 -> 0.152-0.157, causal N=1k
+# 0.181-0.186 -> 0.168-0.173, N=4k 0.821 -> 0.831-0.837, 16k within noise. D=64 now beats the portable kernel at short N
+# too (N=512 0.209 -> 0.204-0.206, 1k 0.354 -> 0.340, causal 0.244 -> 0.233, causal 2k 0.398 -> 0.380), so its former
+# threshold (Gluon only from a span of 2048 keys) is gone.
 # O through shared memory and a TMA store (stage_o; NOTES 34), forward kernel ms, same run, two repeats: D=64
 # N=512 0.207-0.208 -> 0.198-0.199, 1k 0.340 -> 0.328-0.331, 2k 0.635-0.641 -> 0.621-0.627, causal 512 0.161-0.162
 # -> 0.155-0.156, causal 2k 0.367-0.370 -> 0.354-0.358, 16k level. D=128 makes room for it with a V ring of two
