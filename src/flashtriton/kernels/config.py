@@ -9,9 +9,10 @@ backward by the same span, ``windowed`` (the band has a left bound), ``causal``,
 ``arch`` is ``"sm90"`` for Hopper, ``"cuda"`` for any other CUDA GPU, and ``"interpreter"`` for
 Triton's CPU interpreter, where tiles are small so that tiny test shapes still span several tiles
 and reach every boundary path.
-The sm90 rows won H200 sweeps (benchmarks/NOTES.md); causal and non-causal picked the same tiles
-(the D=128 backward differs: _SM90_CAUSAL_BACKWARD). The table for other CUDA GPUs is an unmeasured
-starting point that only fits shared memory.
+The sm90 rows won sweeps on an H200 or, from 2026-11-25 on, an H100 (the only card lent since;
+benchmarks/NOTES.md names each run's card). Banded and unbanded spans may take different rows (the
+Gluon forward's short band and D=64 trees, the portable D=128 backward's _SM90_CAUSAL_BACKWARD). The table
+for other CUDA GPUs is an unmeasured starting point that only fits shared memory.
 """
 
 from __future__ import annotations
