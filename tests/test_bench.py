@@ -121,7 +121,7 @@ def test_the_reports_digest_is_the_benchs():
     head = report._git("rev-parse", "HEAD")
     if head is None or report._git("status", "--porcelain", "--", report.PACKAGE):
         pytest.skip("the package here is not a commit's (CI's clean clone is)")
-    assert report.package_digest(head.decode().strip()) == bench._source_digest()
+    assert report.package_digest(head.decode().strip()) == bench.source_digest()
 
 
 def _commit(repo: Path, message: str, files: dict[str, str]) -> str:

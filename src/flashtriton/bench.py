@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import hashlib
 import json
 import os
 import platform
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .autotune import source_digest
 from .interface import flash_attn_func
 from .reference import attention_reference
 
@@ -301,15 +301,6 @@ def attach_ratios(results: list[Result]) -> None:
         }
 
 
-def _source_digest() -> str:
-    """sha256 over the package's .py files: names the measured source even without git."""
-    package = Path(__file__).parent
-    digest = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
-        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()[:16]
-
-
 def _git(*args: str) -> str | None:
     with contextlib.suppress(subprocess.CalledProcessError, FileNotFoundError):
         return subprocess.check_output(
@@ -327,7 +318,7 @@ def environment() -> dict:
         "cudnn": torch.backends.cudnn.version(),
         "platform": platform.platform(),
         "command": sys.argv,
-        "source_digest": _source_digest(),
+        "source_digest": source_digest(),
     }
     if _git("ls-files", "--", "."):  # the package is tracked here, so the checkout's commit describes it
         info["commit"] = _git("rev-parse", "HEAD")

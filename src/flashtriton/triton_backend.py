@@ -1,7 +1,8 @@
 """Launchers: torch tensors in, Triton kernels run, torch tensors out.
 
 Inputs are (batch, seqlen, heads, head_dim) with any strides whose last one is 1; outputs are
-new contiguous tensors. Launch parameters come from kernels.config; nothing here is tuned.
+new contiguous tensors. Launch parameters come from kernels.config's tables or, for the forward with
+FLASHTRITON_AUTOTUNE=1, from autotune.py's choice among config's candidates.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from triton import knobs
 from triton.experimental.gluon import language as gl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import dropout, schedule
+from . import autotune, dropout, schedule
 from .block_mask import BlockMask
 from .kernels import config, hopper
 from .kernels.backward import (
@@ -183,7 +184,7 @@ def _plan_key(kind: str, p: AttentionParams, *tensors: torch.Tensor) -> tuple | 
         return None
     layout = tuple((x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0) for x in tensors)
     ids = [id(x) for x in tensors]
-    return kind, p, q.device, torch.cuda.current_device(), layout, tuple(map(ids.index, ids))
+    return kind, p, q.device, torch.cuda.current_device(), layout, tuple(map(ids.index, ids)), autotune.enabled()
 
 
 def _keep(key: tuple | None, recorder: Recorder) -> None:
@@ -365,6 +366,14 @@ def _span(p: AttentionParams, n_q: int, n_k: int) -> int:
     return min(n_k, p.window_left + p.window_right + 1)
 
 
+def _tuning_key(p: AttentionParams, head_dim: int, dtype: torch.dtype, span: int) -> tuple:
+    """What a tuned config is chosen for beside the kernel family and the GPU (autotune.choose): the head dim, the
+    dtype, the span's bucket and the features on."""
+    _, flags = _features(p)
+    features = tuple(name for name, on in sorted(flags.items()) if on and not name.startswith("SPARSE_BLOCK"))
+    return head_dim, str(dtype).removeprefix("torch."), autotune.span_bucket(span), *features
+
+
 def _lengths(q: torch.Tensor, k: torch.Tensor, p: AttentionParams) -> tuple[int, int, int]:
     """batch and the (longest) query / key lengths of (B, N, H, D) tensors, or of a varlen batch."""
     if p.varlen:
@@ -415,17 +424,41 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
     lse = recorder.empty("lse", lse_shape(q, p.varlen), torch.float32, q.device)
     q, k, v = (_kernel_view(x, run_dtype) for x in (q, k, v))
     batch, n_q, n_k = _lengths(q, k, p)
-    heads, head_dim, heads_k = q.shape[2], q.shape[3], k.shape[2]
+    head_dim = q.shape[3]
     out = recorder.empty("out", q.shape, run_dtype, q.device)
 
     arch = config.arch_of(q.device, interpreting())
     banded = p.window_left != NO_BOUND or p.window_right != NO_BOUND
-    hopper_cfg = config.hopper_forward_config(arch, head_dim, run_dtype, banded=banded, span=_span(p, n_q, n_k))
+    span = _span(p, n_q, n_k)
+    hopper_cfg = config.hopper_forward_config(arch, head_dim, run_dtype, banded=banded, span=span)
     if hopper_cfg is not None and _hopper_fits(p, hopper_cfg.rows, q, k, v):
+        if autotune.enabled():
+
+            def run(c: config.HopperForwardConfig) -> tuple[torch.Tensor, torch.Tensor]:
+                _hopper_forward(q, k, v, out, lse, p, c, Recorder())
+                return out, lse
+
+            candidates = config.hopper_forward_candidates(head_dim, hopper_cfg)
+            candidates = [c for c in candidates if _hopper_fits(p, c.rows, q, k, v)]
+            tuning = _tuning_key(p, head_dim, run_dtype, span)
+            hopper_cfg = autotune.choose("gluon forward", tuning, hopper_cfg, candidates, run, q.device)
         recorder.add(_hopper_forward(q, k, v, out, lse, p, hopper_cfg, recorder))
         _keep(key, recorder)  # replays return out as it is: a plan's tensors are in their run dtype and shape
         return _user_view(out, shape, out_dtype), lse
-    cfg = config.forward_config(arch, head_dim, run_dtype, _span(p, n_q, n_k), _plain(p))
+    cfg = config.forward_config(arch, head_dim, run_dtype, span, _plain(p))
+    if autotune.enabled():
+        cfg = autotune.choose(
+            "forward", _tuning_key(p, head_dim, run_dtype, span), cfg,
+            config.forward_candidates(arch, head_dim, run_dtype, cfg),
+            lambda c: _portable_forward(q, k, v, out, lse, p, c, batch, n_q, n_k), q.device,
+        )  # fmt: skip
+    _portable_forward(q, k, v, out, lse, p, cfg, batch, n_q, n_k)
+    return _user_view(out, shape, out_dtype), lse
+
+
+def _portable_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.ForwardConfig, batch, n_q, n_k):
+    """The portable forward kernel into out and lse: (out, lse)."""
+    heads, head_dim, heads_k = q.shape[2], q.shape[3], k.shape[2]
     runtime, flags = _features(p)
     block_m, block_n = _tile(cfg.block_m, p.block_mask, 0), _tile(cfg.block_n, p.block_mask, 1)
     grid = (_cdiv(n_q, block_m), batch * heads)
@@ -437,11 +470,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
         N_Q=n_q, N_K=n_k, qk_scale=p.softmax_scale * LOG2E, H=heads, GROUP=heads // heads_k,
         D=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         EVEN_M=_even(n_q, block_m, p), EVEN_N=_even(n_k, _sparse_block(block_n, p.block_mask, 1), p),
-        DOT_PRECISION=_dot_precision(run_dtype),
+        DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_registers, EDGE_STAGES=cfg.edge_stages,
         **_tile_lists(p.block_mask, False), **runtime, **flags,
     )  # fmt: skip
-    return _user_view(out, shape, out_dtype), lse
+    return out, lse
 
 
 def _shaped(grads: tuple[torch.Tensor, ...], shapes: tuple[torch.Size, ...], dtype: torch.dtype) -> tuple:

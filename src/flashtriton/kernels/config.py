@@ -399,6 +399,46 @@ def backward_config(
     return _halve_for_fp32(cfg, dtype)
 
 
+# Opt-in autotuning of the forward (autotune.py, FLASHTRITON_AUTOTUNE=1) times these beside the table's choice, on a
+# call's own inputs: the portable kernel's tiles of benchmarks/tune.py's sweep (fewer: a first call compiles each),
+# and the Gluon kernel's rows of the other span bands plus the table's row with a K/V slot more or fewer and with
+# its consumers' turns switched. Candidates that do not compile or fit the GPU's shared memory are skipped. The
+# backward is not tuned: one of its sweep's tiles faulted on an H100 (benchmarks/NOTES.md 65).
+AUTOTUNE_WARMUP_MS = 10
+AUTOTUNE_REP_MS = 40
+AUTOTUNE_MARGIN = 0.02  # a candidate replaces the table's config only when this much faster
+AUTOTUNE_TOLERANCE = 2**-6  # outputs match within this share of their largest magnitude (bf16: two ulps at the top)
+_FORWARD_TILES = ((128, 64, 8), (128, 32, 4), (64, 64, 4), (64, 32, 4), (128, 128, 8))  # block_m, block_n, warps
+
+
+def forward_candidates(arch: str, head_dim: int, dtype: torch.dtype, table: ForwardConfig) -> list[ForwardConfig]:
+    """The portable forward's configs that autotuning tries beside ``table`` (in the interpreter one, so that tests
+    reach the tuner at tiny sizes)."""
+    if arch == "interpreter":
+        return [replace(table, block_n=2 * table.block_n)]
+    stages = 2 if block_d(head_dim) <= 128 else 1
+    tiles = [(m, n, w, s) for m, n, w in _FORWARD_TILES for s in (stages, stages + 1)]
+    return [
+        _halve_for_fp32(
+            replace(table, block_m=m, block_n=n, num_warps=w, num_stages=s, edge_stages=None, max_registers=None), dtype
+        )
+        for m, n, w, s in tiles
+    ]
+
+
+def hopper_forward_candidates(head_dim: int, table: HopperForwardConfig) -> list[HopperForwardConfig]:
+    """The Gluon forward's configs that autotuning tries beside ``table``."""
+    bands = (
+        _SM90_HOPPER_FORWARD,
+        _SM90_HOPPER_FORWARD_WIDE,
+        _SM90_HOPPER_FORWARD_UNBANDED,
+        _SM90_HOPPER_FORWARD_SHORT_BAND,
+    )
+    rows = [band[head_dim] for band in bands if head_dim in band]
+    slots = [replace(table, stages=table.stages + d) for d in (-1, 1) if table.stages + d >= 2]
+    return [*rows, *slots, replace(table, pingpong=not table.pingpong)]
+
+
 # Tiles of the PyTorch (CPU) path: large enough for efficient matmuls, small enough that the
 # per-tile score matrix stays a few MiB per (batch, head).
 TORCH_BLOCK_M = 256
