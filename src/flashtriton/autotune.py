@@ -147,7 +147,7 @@ def _mismatch(outputs: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]
     for i, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
         finite = torch.isfinite(ref)
         if not torch.equal(torch.isfinite(out), finite):
-            return f"output {i} has non-finite elements where the table config's has none"
+            return f"output {i} is not finite where the table config's is, or the other way round"
         scale = ref[finite].abs().max().item() if finite.any() else 0.0
         error = (out[finite].double() - ref[finite].double()).abs().max().item() if finite.any() else 0.0
         if error > config.AUTOTUNE_TOLERANCE * max(scale, 1.0):
