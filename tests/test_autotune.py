@@ -94,6 +94,19 @@ def test_table_kept_within_the_margin(tuning, monkeypatch):
     assert autotune.choose("forward", ("key",), Tiles(64), [Tiles(32)], run, torch.device("cpu")) == Tiles(64)
 
 
+def test_an_unwritable_cache_warns_and_keeps_the_choice(tuning, monkeypatch):
+    blocker = tuning.parent / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv(autotune.CACHE_DIR_ENV, str(blocker))
+    _, seen = _timed(monkeypatch, {64: 1.0, 32: 0.5})
+    run = _runner(seen)
+    with pytest.warns(UserWarning, match="could not be written"):
+        assert autotune.choose("forward", ("key",), Tiles(64), [Tiles(32)], run, torch.device("cpu")) == Tiles(32)
+    seen.clear()
+    assert autotune.choose("forward", ("key",), Tiles(64), [Tiles(32)], run, torch.device("cpu")) == Tiles(32)
+    assert seen == []
+
+
 def test_a_cache_that_is_not_one_says_what_to_do(tuning):
     tuning.write_text("{not json")
     with pytest.raises(ValueError, match="delete it"):

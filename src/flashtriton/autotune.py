@@ -26,6 +26,7 @@ import math
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -93,10 +94,12 @@ _CACHES: dict[Path, dict] = {}
 def _cache(path: Path) -> dict:
     if path not in _CACHES:
         try:
-            _CACHES[path] = json.loads(path.read_text())
-        except FileNotFoundError:
-            _CACHES[path] = {}
-        except (OSError, ValueError) as exc:
+            text = path.read_text()
+        except OSError:  # none yet, or not readable: the choices are then this process's (_store warns)
+            text = "{}"
+        try:
+            _CACHES[path] = json.loads(text)
+        except ValueError as exc:
             raise ValueError(
                 f"{path} is not an autotune cache ({exc}): delete it, or point {CACHE_DIR_ENV} elsewhere"
             ) from exc
@@ -104,18 +107,26 @@ def _cache(path: Path) -> dict:
 
 
 def _store(path: Path, entry_key: str, entry: dict) -> None:
-    """Adds the entry to the cache file, keeping what other processes wrote since it was read."""
+    """Adds the entry to the cache file, keeping what other processes wrote since it was read; where the file cannot
+    be written, warns and keeps the entry for this process."""
     cache = _cache(path)
     cache[entry_key] = entry
-    path.parent.mkdir(parents=True, exist_ok=True)
     with_others = {}
     with contextlib.suppress(OSError, ValueError):  # no file yet: this process's entries are written anyway
         with_others = json.loads(path.read_text())
     with_others.update(cache)
     cache.update(with_others)
     temporary = path.with_suffix(f".{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(with_others, indent=1, sort_keys=True))
-    os.replace(temporary, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary.write_text(json.dumps(with_others, indent=1, sort_keys=True))
+        os.replace(temporary, path)
+    except OSError as exc:
+        warnings.warn(
+            f"autotune: {path} could not be written ({exc}); the tuned choice holds for this process only (set "
+            f"{CACHE_DIR_ENV} to a writable directory to keep it)",
+            stacklevel=3,
+        )
 
 
 def _time_ms(fn: Callable[[], object], device: torch.device) -> float:
