@@ -114,7 +114,7 @@ def _environment_line(payload: dict) -> str:
     return (
         f"{env.get('gpu', payload['device'])}, driver {env.get('driver', '-')}, torch {env['torch']}, "
         f"triton {env.get('triton', '-')}, cuDNN {env.get('cudnn', '-')}, {payload['sweep']['dtype']}, "
-        f"measured {env['date'][:10]}"
+        f"measured {env['date'][:10]}" + (", flashtriton's forward configs autotuned" if env.get("autotune") else "")
     )
 
 

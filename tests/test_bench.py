@@ -95,7 +95,7 @@ def test_gpu_providers_are_unavailable_on_cpu():
     assert flex.unavailable == "needs a CUDA GPU" and not flex.ms
 
 
-def test_resume_refuses_a_run_timed_in_other_rounds(tmp_path):
+def test_resume_refuses_a_run_timed_another_way(tmp_path):
     env = bench.environment()
     sweep = {"modes": ["fwd"], "providers": ["a"], "dtype": "float32", "rounds": 1}
     path = str(tmp_path / "results.json")
@@ -105,6 +105,8 @@ def test_resume_refuses_a_run_timed_in_other_rounds(tmp_path):
     assert [r.provider for r in kept] == ["a"]
     with pytest.raises(SystemExit, match="rounds is 1, this run's 3"):
         bench._resumable(path, env, {**sweep, "rounds": 3}, [CASE])
+    with pytest.raises(SystemExit, match="autotune is False, this run's True"):
+        bench._resumable(path, {**env, "autotune": True}, sweep, [CASE])
 
 
 def _report():
@@ -121,7 +123,7 @@ def test_the_reports_digest_is_the_benchs():
     head = report._git("rev-parse", "HEAD")
     if head is None or report._git("status", "--porcelain", "--", report.PACKAGE):
         pytest.skip("the package here is not a commit's (CI's clean clone is)")
-    assert report.package_digest(head.decode().strip()) == bench.source_digest()
+    assert report.package_digest(head.decode().strip()) == bench.autotune.source_digest()
 
 
 def _commit(repo: Path, message: str, files: dict[str, str]) -> str:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .autotune import source_digest
+from . import autotune
 from .interface import flash_attn_func
 from .reference import attention_reference
 
@@ -318,7 +318,8 @@ def environment() -> dict:
         "cudnn": torch.backends.cudnn.version(),
         "platform": platform.platform(),
         "command": sys.argv,
-        "source_digest": source_digest(),
+        "source_digest": autotune.source_digest(),
+        "autotune": autotune.enabled(),  # FLASHTRITON_AUTOTUNE: the forward's configs tuned, not the tables'
     }
     if _git("ls-files", "--", "."):  # the package is tracked here, so the checkout's commit describes it
         info["commit"] = _git("rev-parse", "HEAD")
@@ -442,8 +443,9 @@ def _resumable(path: str, env: dict, sweep: dict, cases) -> tuple[dict, list[Res
     header, earlier = load_results(path)
     providers = sweep["providers"]
     mine = {**env, "modes": sweep["modes"], "rounds": sweep["rounds"]}
-    theirs = {**header["environment"], "modes": header["sweep"]["modes"], "rounds": header["sweep"].get("rounds", 1)}
-    for key in ("source_digest", "gpu", "driver", "torch", "triton", "modes", "rounds"):
+    theirs = {"autotune": False, **header["environment"]}  # runs from before the field did not tune
+    theirs.update(modes=header["sweep"]["modes"], rounds=header["sweep"].get("rounds", 1))
+    for key in ("source_digest", "gpu", "driver", "torch", "triton", "autotune", "modes", "rounds"):
         if theirs.get(key) != mine.get(key):
             raise SystemExit(f"--resume {path}: its {key} is {theirs.get(key)!r}, this run's {mine.get(key)!r}")
     kept = []
