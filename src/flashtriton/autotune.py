@@ -179,11 +179,10 @@ def choose(
     run: Callable[[Config], Sequence[torch.Tensor]],
     device: torch.device,
 ) -> Config:
-    """The config to launch ``kind`` with: ``table`` unless tuning is on, when the cached or newly tuned choice among
-    ``table`` and ``candidates`` for this kind and ``key`` on this device (module docstring). ``run(cfg)`` launches
-    with cfg and returns its outputs; each call may write the same tensors (they are compared before the next)."""
-    if not enabled():
-        return table
+    """The config to launch ``kind`` with when enabled() (callers ask first, before building candidates): the cached
+    or newly tuned choice among ``table`` and ``candidates`` for this kind and ``key`` on this device (module
+    docstring). ``run(cfg)`` launches with cfg and returns its outputs; each call may write the same tensors (they
+    are compared before the next)."""
     path = cache_path()
     entry_key = _entry_key(kind, key, device)
     entry = _cache(path).get(entry_key)
