@@ -403,7 +403,7 @@ def backward_config(
 # call's own inputs: the portable kernel's tiles of benchmarks/tune.py's sweep (fewer: a first call compiles each),
 # and the Gluon kernel's rows of the other span bands plus the table's row with a K/V slot more or fewer and with
 # its consumers' turns switched. Candidates that do not compile or fit the GPU's shared memory are skipped. The
-# backward is not tuned: one of its sweep's tiles faulted on an H100 (benchmarks/NOTES.md 65).
+# backward is not tuned: one of its sweep's tiles faulted on an H100 (benchmarks/NOTES.md 65, 66).
 AUTOTUNE_WARMUP_MS = 10
 AUTOTUNE_REP_MS = 40
 AUTOTUNE_MARGIN = 0.02  # a candidate replaces the table's config only when this much faster
