@@ -123,6 +123,8 @@ _INTERPRETER_BACKWARD = BackwardConfig(16, 16, 16, 16, num_warps=1, stages_kv=1,
 # 16k; D=128's and the short bands' dQ lose 5-47% at 4 warps); D=64's dQ takes 128-row tiles at 8 warps (-1%).
 # Triton 3.6's ptxas crashes (SIGSEGV) on some TMA kernels whose loops differ in pipeline depth by one
 # (main 3 / edges 2, or main 2 / ragged tile 1): TMA rows keep edge_stages None or 1 below 3 stages.
+# On an H100 the dQ kernel with 128 x 32 tiles at 4 warps and 2 TMA stages made illegal shared-memory accesses at
+# D=128 (non-causal, 1024 programs or more; benchmarks/NOTES.md 65, 66): no row takes that combination.
 _SM90_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
     (
         64,
