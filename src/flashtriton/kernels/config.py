@@ -275,11 +275,17 @@ SCHEDULE_MAX_TILES = 2**17
 # 2922 / 2814 / 2807, 16k 5453 / 5425 / 5424 / 5446; D=64 causal 512 395 / 389 / 391 / 389, 1k 566 / 567 / 563 /
 # 564, 2k 951 / 936 / 936 / 937, 4k 1712 / 1733 / 1673 / 1684, 8k 3216 / 3192 / 3107 / 3062, 16k 6260 / 6270 /
 # 6261 / 6127.
+# D=128 streams through two (Q, dO) slots, not three (NOTES 67), whole backward ms (H100, CUDA-graph replay, medians of
+# three and of five rotated rounds in two runs; dK and dV bitwise the same), three / two: causal 16k 5.404 / 5.243 and
+# 5.425 / 5.297, causal 8k 2.933 / 2.840, causal 4k 1.577 / 1.560 and 1.572 / 1.573, dense 16k 10.07 / 10.02 and
+# 10.12 / 10.10, dense 4k 2.705 / 2.696, dense 2k 1.466 / 1.461 and 1.455 / 1.484, GQA 4:1 causal 4k 1.551 / 1.565 and
+# 1.558 / 1.580; the pair below the fused span: causal 2k 0.921 / 0.901 and 0.921 / 0.908, a window of 1000 keys at 8k
+# 0.934 / 0.912 and 0.924 / 0.919.
 _SM90_HOPPER_BACKWARD = {
     64: HopperBackwardConfig(
         HopperForwardConfig(64, 128, 2), 64, 64, 3, 512, dq_late=True, read_ahead=True, order_programs=256
     ),
-    128: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 3, 2048, order_programs=128),
+    128: HopperBackwardConfig(HopperForwardConfig(64, 128, 2), 64, 64, 2, 2048, order_programs=128),
     256: HopperBackwardConfig(None, 64, 64, 2, 0, split_d=True, order_programs=64),
 }
 
