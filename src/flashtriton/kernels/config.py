@@ -124,7 +124,7 @@ _INTERPRETER_BACKWARD = BackwardConfig(16, 16, 16, 16, num_warps=1, stages_kv=1,
 # Triton 3.6's ptxas crashes (SIGSEGV) on some TMA kernels whose loops differ in pipeline depth by one
 # (main 3 / edges 2, or main 2 / ragged tile 1): TMA rows keep edge_stages None or 1 below 3 stages.
 # On an H100 the dQ kernel with 128 x 32 tiles at 4 warps and 2 TMA stages made illegal shared-memory accesses at
-# D=128 (non-causal, 1024 programs or more; benchmarks/NOTES.md 65, 66): no row takes that combination.
+# D=128 (softcap 30, non-causal, 1024 programs or more; benchmarks/NOTES.md 65, 66): no row takes that combination.
 _SM90_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
     (
         64,
