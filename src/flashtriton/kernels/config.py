@@ -87,7 +87,7 @@ class HopperBackwardConfig:
     # kernel (deterministic and short spans run the portable kernels)
     block_m: int  # dK/dV: query rows per streamed step
     block_n: int  # dK/dV: keys per consumer warpgroup; a program has two (split_d: both take the same keys)
-    stages: int  # dK/dV: (Q, dO) tiles in flight; fused, its dS and dQ tiles take 64 KB more (D=128: 3 fit)
+    stages: int  # dK/dV: (Q, dO) tiles in flight; fused, its dS and dQ tiles take 64 KB more (D=128: 3 fit; 2 win)
     fused_span: int  # the fused kernel from this span on (triton_backend._span; varlen: the longest sequence's)
     dq_late: bool = False  # fused: a step's dQ multiply is issued beside the next step's S^T and dP^T
     read_ahead: bool = False  # dK/dV: a step's LSE and delta are read before its wgmmas are issued (more registers)
