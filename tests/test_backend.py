@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flashtriton import flash_attn_func, flash_attn_varlen_func, ops, torch_backend, triton_backend
+from flashtriton.kernels import config
 from flashtriton.params import AttentionParams
 from helpers import assert_close_to_reference, hopper, poison_empty
 
@@ -205,6 +206,35 @@ def test_preprocess_zeroes_the_fused_backwards_dq():
     exact = (out.double() * dout.double()).sum(-1).transpose(1, 2) - dlse.double()
     plain = (out * dout).sum(-1).transpose(1, 2).float() - dlse
     assert_close_to_reference("delta", delta, exact, plain)
+
+
+def _fragment_positions(rows: int, width: int, half: int) -> torch.Tensor:
+    """Where the fused backward's reductions put dQ's (row, column) in its fp32 sums, by hopper._fragments' formula
+    (the buffer as (row tile, fragment row) x (column tile, config.DQ_FRAGMENT_COLS))."""
+    row, col = torch.arange(rows)[:, None], torch.arange(width)[None, :]
+    w, h, r = row % 64 // 16, row % 16 // 8, row % 8
+    j, c, e = col % half // 8, col % 8 // 2, col % 2
+    flat = ((w * (half // 8) + j) * 32 + 4 * r + c) * 4 + 2 * h + e
+    frag = config.DQ_FRAGMENT_COLS
+    return (row // 64 * (64 * half // frag) + flat // frag) * (width // half * frag) + col // half * frag + flat % frag
+
+
+@pytest.mark.parametrize("head_dim, fragments", [(64, True), (128, True), (256, False)])
+def test_dq_convert_reads_the_fused_backwards_order(head_dim, fragments):
+    """The conversion after the fused backward reads its fp32 sums in the order the kernel's reductions wrote them
+    (D=64/128: fragment order; D=256's split kernel: row-major), in whichever of the interpreter or the GPU runs."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows, heads = 128, 3
+    dq = torch.randn(rows, heads * head_dim, device=device, dtype=torch.bfloat16).float()  # exact in both dtypes
+    sums = torch.full_like(dq, float("nan")).view(-1)
+    at = _fragment_positions(rows, heads * head_dim, head_dim // 2) if fragments else torch.arange(dq.numel())
+    sums[at.view(-1).to(device)] = dq.view(-1)
+    out = torch.full((rows, heads, head_dim), float("nan"), device=device, dtype=torch.bfloat16)
+    triton_backend._DQ_CONVERT[(rows // 64, 2 * heads)](
+        sums, out, heads * head_dim, BLOCK_M=64, HALF=head_dim // 2, FRAGMENTS=fragments,
+        FRAGMENT_COLS=config.DQ_FRAGMENT_COLS,
+    )  # fmt: skip
+    assert torch.equal(out.view(rows, -1).float(), dq)
 
 
 def _input_grads(fn, *args, **kwargs) -> tuple[torch.Tensor, ...]:

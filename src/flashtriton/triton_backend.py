@@ -20,6 +20,7 @@ from .block_mask import BlockMask
 from .kernels import config, hopper
 from .kernels.backward import (
     attention_backward_dkdv_kernel,
+    attention_backward_dq_convert_kernel,
     attention_backward_dq_kernel,
     attention_backward_preprocess_kernel,
 )
@@ -115,6 +116,16 @@ def _gluon_view(x: torch.Tensor, rows: int, cols: int | None = None) -> Descript
 
 
 _ROWS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+_FRAGMENTS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+def _fragments_view(sums: torch.Tensor, rows: int, cols: int) -> Descriptor:
+    """The fused backward's fp32 dQ sums (contiguous, shaped as dQ) as (row tile, fragment row) x (column tile,
+    config.DQ_FRAGMENT_COLS), in blocks of one rows x cols tile of dQ in hopper._fragments' order."""
+    width, frag = sums.shape[-2] * sums.shape[-1], config.DQ_FRAGMENT_COLS
+    tile_rows = rows * cols // frag
+    shape = (sums.numel() // width // rows * tile_rows, width // cols * frag)
+    return Descriptor(sums, shape, (shape[1], 1), (tile_rows, frag), _FRAGMENTS_LAYOUT)
 
 
 def _gluon_rows(x: torch.Tensor, rows: int) -> Descriptor:
@@ -167,6 +178,7 @@ _FORWARD_SM90 = Launcher(hopper.attention_forward_sm90_kernel)
 _DKDV_SM90 = Launcher(hopper.attention_backward_dkdv_sm90_kernel)
 _DQ_SM90 = Launcher(hopper.attention_backward_dq_sm90_kernel)
 _PREPROCESS = Launcher(attention_backward_preprocess_kernel)
+_DQ_CONVERT = Launcher(attention_backward_dq_convert_kernel)
 
 # Replayable calls by layout (launch.Plan): a small call's host time is otherwise about its GPU time (NOTES 53).
 # A plan holds the choices of kernels/config.py's tables when it was recorded: a sweep that changes them at run
@@ -387,7 +399,7 @@ def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams,
     head_dim = q.shape[3]
     cols = head_dim // 2 if cfg.split_d else head_dim  # of dK and dV per warpgroup
     if dq_sums is not None:  # TMA reductions of D / 2 columns per warpgroup, split_d's in two pieces
-        dq_sums = _gluon_view(dq_sums, cfg.block_m, cols // 2)
+        dq_sums = (_gluon_view if cfg.split_d else _fragments_view)(dq_sums, cfg.block_m, cols // 2)
     heads, blocks = batch * k.shape[2], _cdiv(n, cfg.keys)
     order_heads = min(max(cfg.order_programs // blocks, 1), config.ORDER_HEADS, heads) if common["CAUSAL"] else 1
     return _DKDV_SM90.bind((blocks * heads,))(
@@ -396,6 +408,15 @@ def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams,
         dq_sums, _gluon_rows(lse, cfg.block_m), _gluon_rows(delta, cfg.block_m), softmax_scale=p.softmax_scale,
         order_heads=order_heads, **common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
         DQ_LATE=cfg.dq_late, READ_AHEAD=cfg.read_ahead, SPLIT_D=cfg.split_d,
+    )  # fmt: skip
+
+
+def _dq_convert(sums: torch.Tensor, dq: torch.Tensor, cfg: config.HopperBackwardConfig):
+    """dQ in its dtype from the fused kernel's fp32 sums, laid out as _hopper_dkdv's reductions left them."""
+    width, half = dq.shape[-2] * dq.shape[-1], dq.shape[-1] // 2
+    return _DQ_CONVERT.bind((dq.numel() // width // cfg.block_m, width // half))(
+        sums, dq, width, BLOCK_M=cfg.block_m, HALF=half, FRAGMENTS=not cfg.split_d,
+        FRAGMENT_COLS=config.DQ_FRAGMENT_COLS,
     )  # fmt: skip
 
 
@@ -513,8 +534,9 @@ def backward(
     fused = on_hopper and not p.deterministic and _span(p, n_q, n_k) >= hopper_cfg.fused_span
     pair = on_hopper and not fused and hopper_cfg.dq is not None
     delta = recorder.empty("delta", lse.shape, torch.float32, q.device)
-    # the fused kernel adds dQ's shares up in fp32, zeroed by the preprocess kernel
-    dq = recorder.empty("dq", q.shape, torch.float32 if fused else run_dtype, q.device)
+    # the fused kernel adds dQ's shares up in fp32, zeroed by the preprocess kernel, and converts them after
+    dq_sums = recorder.empty("dq_sums", q.shape, torch.float32, q.device) if fused else None
+    dq = recorder.empty("dq", q.shape, run_dtype, q.device)
     dk = recorder.empty("dk", k.shape, run_dtype, q.device)
     dv = recorder.empty("dv", v.shape, run_dtype, q.device)
     if pair:  # dQ's own pass, which also computes delta for the dK/dV kernel after it
@@ -527,12 +549,13 @@ def backward(
     lse_strides = _lse_strides(lse, p.varlen)
     block = config.PREPROCESS_BLOCK_M
     recorder.add(_PREPROCESS.bind((_cdiv(n_q, block), batch * heads))(
-        out, dout, dlse, delta, dq if fused else None,
+        out, dout, dlse, delta, dq_sums,
         *_strides(out, p.varlen), *_strides(dout, p.varlen), *_strides(dq, p.varlen), *lse_strides,
         N_Q=n_q, CU_SEQLENS_Q=p.cu_seqlens_q, BLOCK_M=block, VARLEN=p.varlen, **common,
     ))  # fmt: skip
     if fused:  # one pass: dK, dV and dQ, whose shares the key tiles add up in no fixed order
-        recorder.add(_hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq, p, hopper_cfg))
+        recorder.add(_hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p, hopper_cfg))
+        recorder.add(_dq_convert(dq_sums, dq, hopper_cfg))
         _keep(key, recorder)
         return _shaped((dq, dk, dv), shapes, grad_dtype)
     cfg = config.backward_config(

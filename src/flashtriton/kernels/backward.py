@@ -11,6 +11,8 @@ Q, K and the forward's LSE, one tile at a time.
                (Subtracting dLSE makes gradients flow through the returned LSE for free:
                dS = P * (dP - delta) with d(LSE)/dS = P.) Given DQ, also zeroes its rows: the
                fp32 dQ into which the fused Hopper backward adds each key tile's share.
+  dQ convert   grid (rows / BLOCK_M, H * D / HALF): the fused Hopper backward's fp32 dQ sums, in
+               the order its reductions wrote them, to dQ in the gradients' dtype.
   dK/dV        grid (cdiv(N_K, BLOCK_N), B * HKV): a program owns one key tile of one K/V head and
                streams the query tiles of all GROUP query heads that see it, so GQA needs no atomics.
   dQ           grid (cdiv(N_Q, BLOCK_M), B * H): a program owns one query tile and streams the keys
@@ -75,6 +77,32 @@ def attention_backward_preprocess_kernel(
     if DQ is not None:
         dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + (q_start + rows[:, None]) * stride_dqm + offs_d[None, :]
         store_tile(dq_ptrs, tl.zeros_like(o), rows, N_Q, offs_d, D, False, BLOCK_D == D)
+
+
+@triton.jit
+def attention_backward_dq_convert_kernel(
+    DQ_SUMS, DQ, COLS, BLOCK_M: tl.constexpr, HALF: tl.constexpr, FRAGMENTS: tl.constexpr,
+    FRAGMENT_COLS: tl.constexpr,
+):  # fmt: skip
+    """Grid (rows / BLOCK_M, COLS / HALF): DQ (rows x COLS, contiguous, in the gradients' dtype) from the fused
+    Hopper backward's fp32 sums of the same size, a tile of BLOCK_M x HALF per program. FRAGMENTS: the sums are laid
+    out for the kernel's reductions: a tile's values as hopper._fragments orders a wgmma accumulator (BLOCK_M = 64),
+    the buffer's rows as (row tile, fragment row) and its columns as (column tile, 256). Else row-major, as DQ."""
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    if FRAGMENTS:
+        TILE_ROWS: tl.constexpr = BLOCK_M * HALF // FRAGMENT_COLS
+        rows = pid_m * TILE_ROWS + tl.arange(0, TILE_ROWS)
+        cols = pid_n * FRAGMENT_COLS + tl.arange(0, FRAGMENT_COLS)
+        sums = tl.load(DQ_SUMS + rows[:, None] * (COLS // HALF * FRAGMENT_COLS) + cols[None, :])
+        # (w, j, r, c, h, e) -> (w, h, r, j, c, e): row 16w + 8h + r, column 8j + 2c + e
+        sums = tl.permute(tl.reshape(sums, [4, HALF // 8, 8, 4, 2, 2]), (0, 4, 2, 1, 3, 5))
+        sums = tl.reshape(sums, [BLOCK_M, HALF])
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    at = rows[:, None] * COLS + pid_n * HALF + tl.arange(0, HALF)[None, :]
+    if not FRAGMENTS:
+        sums = tl.load(DQ_SUMS + at)
+    tl.store(DQ + at, sums.to(DQ.dtype.element_ty))
 
 
 @triton.jit

@@ -113,6 +113,11 @@ ORDER_HEADS = 16
 # Rows of the preprocessing kernel (delta = rowsum(dO * O)) per program.
 PREPROCESS_BLOCK_M = 64
 
+# fp32 values per row of the fused Hopper backward's dQ reductions in fragment order (hopper._fragments), through an
+# unswizzled tile: 256 (1 KB rows) beat 32 (128-byte rows, 128-byte swizzle) by 1-5% on causal spans and lost 2-3%
+# on D=128 dense ones (NOTES 68)
+DQ_FRAGMENT_COLS = 256
+
 _INTERPRETER_FORWARD = ForwardConfig(block_m=16, block_n=16, num_warps=1, num_stages=1, tma=True)
 _INTERPRETER_BACKWARD = BackwardConfig(16, 16, 16, 16, num_warps=1, stages_kv=1, stages_q=1, tma=True)
 

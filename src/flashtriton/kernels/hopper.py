@@ -25,7 +25,8 @@ dK/dV: the consumers own BLOCK_N keys each and stream the (Q, dO) tiles of every
 group, with those rows' LSE and delta (through TMA as well, so the per-step reads are shared-memory loads
 issued beside the MMAs): S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q. Fused (the default where
 config's fused_span says so), the same kernel also computes dQ += dS K from both consumers' dS^T in shared
-memory and adds each step's share into an fp32 dQ through TMA reductions: 5 matmuls per tile pair instead of
+memory and adds each step's share into fp32 sums of dQ through TMA reductions (laid out in the accumulator's
+fragment order, which a conversion to dQ's dtype undoes): 5 matmuls per tile pair instead of
 the pair's 7, in no fixed order of summation. At D=256 a warpgroup has registers for dK and dV of 64 keys x 128
 columns only, so the two share their keys and split D (_dkdv_split_consumer): each takes S^T and dP^T for half
 of a step's queries and they exchange P^T and dS^T through shared memory.
@@ -649,14 +650,29 @@ def _dq_issue(dq_sums, k_bufs, c, zero_q, W: gl.constexpr):
 
 
 @gluon.jit
+def _fragments(acc, COLS: gl.constexpr):
+    """A warpgroup's [64, n] wgmma accumulator (_mma_layout(n)) relabelled, with no data movement, as [64 * n / COLS,
+    COLS] in fragment order: the value at (row 16w + 8h + r, column 8j + 2c + e), for (w, h, r, j, c, e) in
+    (4, 2, 8, n / 8, 4, 2), at flat position ((w * n / 8 + j) * 32 + 4r + c) * 4 + 2h + e. A thread's four values of
+    a column group (rows r, r + 8, columns 2c, 2c + 1) lie side by side, so the tile stores to an unswizzled buffer in
+    16-byte pieces, a warp's 512 contiguous bytes at a time (no bank conflicts; NOTES 67-68)."""
+    J: gl.constexpr = acc.shape[1] // 8
+    frag = gl.permute(gl.reshape(acc, [4, 2, 8, J, 4, 2]), (0, 3, 2, 4, 1, 5))
+    return gl.reshape(frag, [acc.shape[0] * acc.shape[1] // COLS, COLS])
+
+
+@gluon.jit
 def _dq_add(dq_sums, dq, coord, softmax_scale, W: gl.constexpr):
-    """dq_desc's tile at coord += dq * softmax_scale, by a TMA reduction staged in dq_bufs[W]."""
+    """dQ's tile of rows [coord[0], + 64) and columns [coord[1], + n) += dq * softmax_scale ([64, n]), by a TMA
+    reduction staged in dq_bufs[W]. dq_desc reads the fp32 sums as (row tile, fragment row) x (column tile,
+    fragment column): each tile's values in _fragments' order (backward.py's dQ conversion puts them back)."""
     dq_desc, _, _, dq_bufs = dq_sums
     dq_smem = dq_bufs.index(W)
     tma.store_wait(0)  # the previous reduction has read dq_smem
-    dq_smem.store(dq * softmax_scale)
+    COLS: gl.constexpr = dq_smem.shape[1]
+    dq_smem.store(_fragments(dq * softmax_scale, COLS))
     fence_async_shared()
-    _tma_add(dq_desc, coord, dq_smem)
+    _tma_add(dq_desc, [coord[0] // dq.shape[0] * dq_smem.shape[0], coord[1] // dq.shape[1] * COLS], dq_smem)
 
 
 @gluon.jit
@@ -871,8 +887,9 @@ def attention_backward_dkdv_sm90_kernel(
     streaming the (Q, dO, LSE, delta) tiles of the GQA group; lse/delta_desc: LSE and DELTA as flat vectors, in
     blocks of BLOCK_M entries. The warpgroups take BLOCK_N keys each (KEYS = 2 * BLOCK_N) or, SPLIT_D, the same
     KEYS = BLOCK_N keys and half of D's columns each (_dkdv_split_consumer). k/v_desc: blocks of BLOCK_N x D;
-    dk/dv_desc: of BLOCK_N x D, or D / 2 when SPLIT_D. dq_desc: None, or fp32 (B * N, H * D) rows to which these
-    keys' dQ shares are added (TMA reductions), in blocks of BLOCK_M x D / 2, or D / 4 when SPLIT_D."""
+    dk/dv_desc: of BLOCK_N x D, or D / 2 when SPLIT_D. dq_desc: None, or the fp32 sums to which these keys' dQ
+    shares are added (TMA reductions): laid out as _dq_add says, or, SPLIT_D, (B * N, H * D) rows in blocks of
+    BLOCK_M x D / 4."""
     KEYS: gl.constexpr = BLOCK_N if SPLIT_D else 2 * BLOCK_N
     # programs in groups of order_heads K/V heads, each group's key blocks in order: its first blocks (causal: the
     # longest) before the next
