@@ -114,8 +114,8 @@ ORDER_HEADS = 16
 PREPROCESS_BLOCK_M = 64
 
 # fp32 values per row of the fused Hopper backward's dQ reductions in fragment order (hopper._fragments), through an
-# unswizzled tile: 256 (1 KB rows) beat 32 (128-byte rows, 128-byte swizzle) by 1-5% on causal spans and lost 2-3%
-# on D=128 dense ones (NOTES 68)
+# unswizzled tile. 256 (1 KB rows) against 32 (128-byte rows, 128-byte swizzle), whole backward: 2-4% faster on causal
+# spans, level at D=64 dense, 2-3.5% slower at D=128 dense (NOTES 68)
 DQ_FRAGMENT_COLS = 256
 
 _INTERPRETER_FORWARD = ForwardConfig(block_m=16, block_n=16, num_warps=1, num_stages=1, tma=True)
