@@ -119,8 +119,13 @@ def _environment_line(payload: dict) -> str:
 
 
 def _rounds(payload: dict) -> str:
-    rounds = payload["sweep"].get("rounds", 1)
-    return f"; times are medians over {rounds} rounds, the providers' order rotated each round" if rounds > 1 else ""
+    sweep = payload["sweep"]
+    rounds = sweep.get("rounds", 1)
+    if rounds == 1:
+        return ""
+    if sweep.get("timing", "blocks") == "blocks":
+        return f"; times are medians over {rounds} rounds, the providers' order rotated each round"
+    return f"; times are medians over {rounds} rounds, each taking the providers' calls in turn"
 
 
 def headline(payload: dict, run_link: str) -> str:

@@ -1,5 +1,5 @@
-"""flashtriton bench's timing protocol: providers timed in rounds, the order rotated, medians reported, a
-provider that fails reported as unavailable; --resume refuses a run measured another way."""
+"""flashtriton bench's timing protocol: providers timed in rounds, the order rotated, their calls taken in turn,
+medians reported, a provider that fails reported as unavailable; --resume refuses a run measured another way."""
 
 import importlib.util
 import shutil
@@ -15,17 +15,20 @@ CASE = bench.Case(1, 8, 2, 16, False, "float32")
 CPU = torch.device("cpu")
 
 
-def _providers(failing: str | None = None) -> dict:
-    """Providers named a, b, c whose forward is tagged with its name (a timer sees which one it times)."""
+def _providers(order: list[str], failing: str | None = None, fail_at: int | None = None) -> dict:
+    """Providers named a, b, c whose forward notes its name in ``order`` when called; ``failing`` raises on its
+    first call (``fail_at`` None: in prepare) or on its fail_at-th timed call."""
 
     def provider(name):
         def make(q, k, v, causal):
             def fwd():
-                if name == failing:
+                if name == failing and fail_at is None:
                     raise RuntimeError(f"{name} does not run this case")
+                order.append(name)
+                if name == failing and order.count(name) == fail_at:
+                    raise torch.cuda.OutOfMemoryError("out of memory")
                 return q * 2.0
 
-            fwd.provider = name
             return fwd
 
         return make
@@ -33,31 +36,29 @@ def _providers(failing: str | None = None) -> dict:
     return {name: provider(name) for name in "abc"}
 
 
-def _scripted_timer(monkeypatch, times: dict[str, list[float]], fail_at: tuple[str, int] | None = None) -> list:
-    """Replaces the bench's timer: each call pops the next time of the provider it times; returns the calls' order."""
-    order = []
+def _scripted_timer(monkeypatch, order: list[str], times: dict[str, list[float]]) -> None:
+    """Replaces the bench's timer: calls each of a round's calls once, in the order given (the provider's forward
+    notes its name), and pops that provider's next time; a call that raises fails as the real timer's do."""
 
-    def timer(device):
-        def time_ms(fn):
-            order.append(fn.provider)
-            if fail_at == (fn.provider, sum(p == fn.provider for p in order)):
-                raise torch.cuda.OutOfMemoryError("out of memory")
-            return times[fn.provider].pop(0)
+    def time_all(calls):
+        taken = []
+        for i in range(len(calls)):
+            bench._call(calls, i)
+            taken.append(times[order[-1]].pop(0))
+        return taken
 
-        return time_ms
-
-    monkeypatch.setattr(bench, "_timer", timer)
-    return order
+    monkeypatch.setattr(bench, "_timer", lambda device: time_all)
 
 
 def test_rounds_rotate_the_order_and_report_medians(monkeypatch):
-    monkeypatch.setattr(bench, "PROVIDERS", _providers())
+    order = []
+    monkeypatch.setattr(bench, "PROVIDERS", _providers(order))
     rounds = {"a": [5.0, 1.0, 3.0], "b": [2.0, 2.5, 9.0], "c": [7.0, 6.0, 8.0]}
-    order = _scripted_timer(monkeypatch, {p: list(t) for p, t in rounds.items()})
+    _scripted_timer(monkeypatch, order, {p: list(t) for p, t in rounds.items()})
 
     results = bench.run_case(CASE, ["a", "b", "c"], CPU, modes=("fwd",), rounds=3)
 
-    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert order[3:] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # after each one's first call
     assert [r.provider for r in results] == ["a", "b", "c"]
     for r in results:
         assert r.unavailable is None
@@ -69,25 +70,56 @@ def test_rounds_rotate_the_order_and_report_medians(monkeypatch):
 
 
 def test_a_failing_provider_is_reported_and_the_others_still_timed(monkeypatch):
-    monkeypatch.setattr(bench, "PROVIDERS", _providers(failing="b"))
-    order = _scripted_timer(monkeypatch, {"a": [1.0, 2.0], "c": [3.0, 4.0]})
+    order = []
+    monkeypatch.setattr(bench, "PROVIDERS", _providers(order, failing="b"))
+    _scripted_timer(monkeypatch, order, {"a": [1.0, 2.0], "c": [3.0, 4.0]})
 
     a, b, c = bench.run_case(CASE, ["a", "b", "c"], CPU, modes=("fwd",), rounds=2)
 
-    assert order == ["a", "c", "c", "a"]
+    assert order[2:] == ["a", "c", "c", "a"]
     assert b.unavailable == "RuntimeError: b does not run this case" and not b.ms
     assert a.ms["fwd"] == 1.5 and c.ms["fwd"] == 3.5
 
 
 def test_a_provider_failing_in_a_later_round_keeps_no_times(monkeypatch):
-    monkeypatch.setattr(bench, "PROVIDERS", _providers())
-    order = _scripted_timer(monkeypatch, {p: [1.0, 1.0, 1.0] for p in "abc"}, fail_at=("a", 2))
+    """Its round is timed again without it: the others' calls beside the failed one are not kept."""
+    order = []
+    monkeypatch.setattr(bench, "PROVIDERS", _providers(order, failing="a", fail_at=3))
+    _scripted_timer(monkeypatch, order, {"a": [1.0] * 3, "b": [1.0, 9.0, 2.0, 3.0], "c": [1.0, 9.0, 2.0, 3.0]})
 
     a, b, c = bench.run_case(CASE, ["a", "b", "c"], CPU, modes=("fwd",), rounds=3)
 
-    assert order.count("a") == 2  # not timed again after it failed
+    assert order[3:] == ["a", "b", "c", "b", "c", "a", "b", "c", "c", "b"]
     assert a.unavailable.startswith("OutOfMemoryError") and not a.ms and not a.ms_rounds
-    assert b.ms_rounds["fwd"] == c.ms_rounds["fwd"] == [1.0, 1.0, 1.0]
+    assert b.ms_rounds["fwd"] == [1.0, 2.0, 3.0] and c.ms_rounds["fwd"] == [1.0, 2.0, 3.0]
+
+
+def test_the_timer_takes_the_calls_in_turn():
+    """Each pass calls every provider once, starting one later each pass; each gets its median."""
+    assert bench._in_turn(3, 3, lambda i: i) == [[0, 0, 0], [1, 1, 1], [2, 2, 2]]
+    taken = []
+    bench._in_turn(3, 3, taken.append)
+    assert taken == [0, 1, 2, 1, 2, 0, 2, 0, 1]
+    calls = []
+    ms = bench._timer(CPU)([lambda: calls.append("x"), lambda: calls.append("y")])
+    assert calls == ["x", "y", "x", "y", "y", "x", "x", "y"] and len(ms) == 2 and min(ms) >= 0
+
+
+def test_the_timer_names_the_call_that_failed():
+    def fails():
+        raise ValueError("no")
+
+    with pytest.raises(bench._CallFailed) as failed:
+        bench._timer(CPU)([lambda: None, fails])
+    assert failed.value.index == 1 and isinstance(failed.value.error, ValueError)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_gpu_timer_times_each_call():
+    """Interleaved on the GPU, a call with 8x the work takes several times as long as the other."""
+    x = torch.randn(2048, 2048, device="cuda")
+    small, large = bench._timer(torch.device("cuda"))([lambda: x @ x, lambda: [x @ x for _ in range(8)]])
+    assert small > 0 and large > 4 * small
 
 
 def test_gpu_providers_are_unavailable_on_cpu():
@@ -97,7 +129,7 @@ def test_gpu_providers_are_unavailable_on_cpu():
 
 def test_resume_refuses_a_run_timed_another_way(tmp_path):
     env = bench.environment()
-    sweep = {"modes": ["fwd"], "providers": ["a"], "dtype": "float32", "rounds": 1}
+    sweep = {"modes": ["fwd"], "providers": ["a"], "dtype": "float32", "rounds": 1, "timing": bench.TIMING}
     path = str(tmp_path / "results.json")
     bench._write_json(path, {"environment": env, "sweep": sweep}, [bench.Result(CASE, "a", ms={"fwd": 1.0})], False)
 
@@ -107,6 +139,10 @@ def test_resume_refuses_a_run_timed_another_way(tmp_path):
         bench._resumable(path, env, {**sweep, "rounds": 3}, [CASE])
     with pytest.raises(SystemExit, match="autotune is False, this run's True"):
         bench._resumable(path, {**env, "autotune": True}, sweep, [CASE])
+    blocks = {k: v for k, v in sweep.items() if k != "timing"}  # a run from before providers were timed in turn
+    bench._write_json(path, {"environment": env, "sweep": blocks}, [bench.Result(CASE, "a", ms={"fwd": 1.0})], False)
+    with pytest.raises(SystemExit, match="timing is 'blocks', this run's 'in turn'"):
+        bench._resumable(path, env, sweep, [CASE])
 
 
 def _report():

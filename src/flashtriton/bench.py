@@ -1,12 +1,12 @@
 """``flashtriton bench``: flashtriton against its peers, every provider in the same run.
 
 FLOPs (one formula, the FlashAttention-2 paper's): forward 4 * B * H * N_Q * N_K * D, halved
-when causal; backward 2.5x the forward, so forward+backward 3.5x. Times are triton.testing.do_bench
-medians on random inputs, taken in rounds with the providers' order rotated, and the median of the
-rounds (run_case). Writes ``results.json`` (rewritten after every case, so a run cut short still
-leaves what it measured) and one ``bench.png`` with a TFLOP/s-against-seqlen panel per (head dim,
-causal, mode). ``--resume`` continues a run that was cut short (a device's time limit) from its
-results.json.
+when causal; backward 2.5x the forward, so forward+backward 3.5x. Times are taken on random inputs in
+rounds, the providers' order rotated, and are the median of the rounds (run_case); within a round the
+providers' calls are timed one of each in turn (_timer), so that all of them see the same clock
+state. Writes ``results.json`` (rewritten after every case, so a run cut short still leaves what it
+measured) and one ``bench.png`` with a TFLOP/s-against-seqlen panel per (head dim, causal, mode).
+``--resume`` continues a run that was cut short (a device's time limit) from its results.json.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,15 +36,17 @@ from .reference import attention_reference
 MODES = ("fwd", "bwd", "fwd_bwd")
 TOKENS, HIDDEN = 16384, 2048  # the FlashAttention-2 paper's sweep: batch * seqlen and heads * headdim
 OURS = "flashtriton"
-SCHEMA = "flashtriton-bench/2"
+SCHEMA = "flashtriton-bench/3"
+TIMING = "in turn"  # how a round times its providers (_timer); runs from before timed each in a block
 
 # Written into results.json so the file explains itself.
 DEFINITIONS = {
     "case": "batch x seqlen = 16k tokens, heads x head_dim = 2048 (CPU: batch 1, 4 heads, head_dim 64)",
-    "ms": "per mode, the median over the rounds of triton.testing.do_bench's median milliseconds (CPU: median "
-    "of 3 calls)",
-    "ms_rounds": "per mode, each round's milliseconds; every round times all providers of the case, the order "
-    "rotated from round to round",
+    "ms": "per mode, the median over the rounds of each round's milliseconds: a round times the providers' calls "
+    "one of each in turn, in passes (CUDA: each call after an L2 flush, events around it, about 100 ms of passes per "
+    "provider; CPU: 3 passes), and takes each provider's median call",
+    "ms_rounds": "per mode, each round's milliseconds; the provider that starts a round's passes rotates from round "
+    "to round",
     "tflops": "FLOPs / time; FLOPs = 4*B*H*N*N*D (x0.5 causal) for fwd, x2.5 for bwd, x3.5 for fwd_bwd",
     "ratios": f"{OURS} rows only: ratios[peer][mode] = peer ms / {OURS} ms (> 1: {OURS} is faster)",
     "peak_extra_mib": "allocator peak during one fwd+bwd beyond what was allocated before it (CUDA only)",
@@ -149,22 +152,71 @@ PROVIDERS: dict[str, Callable] = {
 GPU_ONLY = {"sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "flex", "flash_attn"}
 
 
-def _timer(device: torch.device):
-    if device.type == "cuda":
-        import triton
+class _CallFailed(Exception):
+    """The index-th of the calls being timed together raised ``error``."""
 
-        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    def __init__(self, index: int, error: Exception):
+        super().__init__(index, error)
+        self.index, self.error = index, error
 
-    def cpu_median(fn, reps=3):
-        fn()
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return sorted(times)[len(times) // 2]
 
-    return cpu_median
+def _call(calls: list[Callable], i: int):
+    try:
+        return calls[i]()
+    except Exception as exc:
+        raise _CallFailed(i, exc) from exc
+
+
+def _in_turn(n: int, passes: int, take: Callable[[int], Any]) -> list[list]:
+    """take(i) for every i < n in each of ``passes`` passes, one i after another, each pass starting one i later;
+    returns each i's results in order."""
+    taken = [[] for _ in range(n)]
+    for p in range(passes):
+        for j in range(n):
+            i = (p + j) % n
+            taken[i].append(take(i))
+    return taken
+
+
+def _timer(device: torch.device) -> Callable[[list[Callable]], list[float]]:
+    """``time_all(calls)``: each call's median milliseconds, the calls timed one of each in turn rather than one
+    after another in blocks: a GPU at its power cap drifts in clock under load, and a block's place in a round
+    then decided its time by up to 10% (benchmarks/NOTES.md 68). Raises _CallFailed for a call that raises."""
+    return _cuda_in_turn if device.type == "cuda" else _cpu_in_turn
+
+
+def _cpu_in_turn(calls: list[Callable]) -> list[float]:
+    for i in range(len(calls)):
+        _call(calls, i)
+
+    def timed(i):
+        start = time.perf_counter()
+        _call(calls, i)
+        return (time.perf_counter() - start) * 1e3
+
+    return [statistics.median(ms) for ms in _in_turn(len(calls), 3, timed)]
+
+
+def _cuda_in_turn(calls: list[Callable], warmup_ms: float = 25.0, rep_ms: float = 100.0) -> list[float]:
+    """As triton.testing.do_bench for each call (L2 flushed before every call, events around it, warm-up and about
+    rep_ms of timed calls per call), but the calls taken in turn."""
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+
+    def timed(i):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        _call(calls, i)
+        end.record()
+        return start, end
+
+    def elapsed(events):
+        torch.cuda.synchronize()
+        return [statistics.median(start.elapsed_time(end) for start, end in pairs) for pairs in events]
+
+    pass_ms = sum(elapsed(_in_turn(len(calls), 5, timed)))
+    _in_turn(len(calls), max(1, int(warmup_ms / pass_ms)), lambda i: _call(calls, i))
+    return elapsed(_in_turn(len(calls), max(5, int(rep_ms * len(calls) / pass_ms)), timed))
 
 
 def _standard_fits(case: Case, device: torch.device) -> bool:
@@ -179,21 +231,39 @@ def _failure(exc: Exception) -> str:
 
 
 def run_case(case: Case, providers, device: torch.device, modes=MODES, rounds: int = 1) -> list[Result]:
-    """Every provider on one case: each one's first call, error and memory, then ``rounds`` timing rounds,
-    each in a rotated provider order. A mode's ms is the median over the rounds: the GPU's clock drifts
-    under load (and is highest after an idle pause), so no provider should always be timed first."""
+    """Every provider on one case: each one's first call, error and memory, then ``rounds`` timing rounds of
+    each mode, the providers timed together (_timer), the first of them rotated from round to round. A mode's ms
+    is the median over the rounds."""
     trials = [_Trial(Result(case, p), device) for p in providers]
     live = [t for t in trials if t.prepare(modes)]
-    time_ms = _timer(device)
+    time_all = _timer(device)
     for r in range(rounds):
         shift = r * len(live) // rounds
-        for trial in live[shift:] + live[:shift]:
-            trial.time_round(time_ms, modes)
+        for mode in modes:
+            _time_round(time_all, live[shift:] + live[:shift], mode)
     for trial in trials:
         trial.finish()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return [t.result for t in trials]
+
+
+def _time_round(time_all, trials: list[_Trial], mode: str) -> None:
+    """One round of ``mode`` for the trials still available, timed together; a provider that fails is reported
+    unavailable and the others are timed again without it."""
+    while True:
+        made = [(t, t.call(mode)) for t in trials if t.result.unavailable is None]
+        made = [(t, call) for t, call in made if call is not None]  # None: the trial failed and says why
+        if not made:
+            return
+        try:
+            times = time_all([call for _, call in made])
+        except _CallFailed as failed:
+            made[failed.index][0].fail(failed.error)
+            continue
+        for (trial, _), ms in zip(made, times, strict=True):
+            trial.rounds.setdefault(mode, []).append(ms)
+        return
 
 
 class _Trial:
@@ -231,11 +301,22 @@ class _Trial:
         self.result.max_error = _forward_error(out, q, k, v, case.causal)
         self.result.peak_extra_mib = _peak_extra_mib(self.fwd, self.grad, self.device)
 
-    def time_round(self, time_ms, modes) -> None:
-        if self.result.unavailable is None:
-            with self._guard():
-                for mode in modes:
-                    self.rounds.setdefault(mode, []).append(_time_mode(time_ms, mode, self.fwd, self.grad))
+    def call(self, mode: str) -> Callable | None:
+        """What one timed call of ``mode`` runs (bwd: a backward through a graph kept from one forward now); None
+        if making it failed."""
+        fwd, grad = self.fwd, self.grad
+        with self._guard():
+            if mode == "fwd":
+                return torch.no_grad()(fwd)
+            if mode == "fwd_bwd":
+                return lambda: fwd().backward(grad)
+            graph_out = fwd()
+            return lambda: graph_out.backward(grad, retain_graph=True)
+        return None
+
+    def fail(self, exc: Exception) -> None:
+        self.result.unavailable = _failure(exc)
+        self.fwd = self.grad = None
 
     def finish(self) -> None:
         """The medians over the rounds; drops the inputs."""
@@ -255,18 +336,7 @@ class _Trial:
         try:
             yield
         except Exception as exc:  # a peer that does not support this case, is not installed, or runs out of memory
-            self.result.unavailable = _failure(exc)
-            self.fwd = self.grad = None
-
-
-def _time_mode(time_ms, mode: str, fwd, grad) -> float:
-    if mode == "fwd":
-        with torch.no_grad():
-            return time_ms(fwd)
-    if mode == "fwd_bwd":
-        return time_ms(lambda: fwd().backward(grad))
-    graph_out = fwd()
-    return time_ms(lambda: graph_out.backward(grad, retain_graph=True))
+            self.fail(exc)
 
 
 def _forward_error(out, q, k, v, causal) -> float:
@@ -442,10 +512,11 @@ def _resumable(path: str, env: dict, sweep: dict, cases) -> tuple[dict, list[Res
     rounds left half done is measured again, so peers share a run)."""
     header, earlier = load_results(path)
     providers = sweep["providers"]
-    mine = {**env, "modes": sweep["modes"], "rounds": sweep["rounds"]}
+    mine = {**env, "modes": sweep["modes"], "rounds": sweep["rounds"], "timing": sweep["timing"]}
     theirs = {"autotune": False, **header["environment"]}  # runs from before the field did not tune
-    theirs.update(modes=header["sweep"]["modes"], rounds=header["sweep"].get("rounds", 1))
-    for key in ("source_digest", "gpu", "driver", "torch", "triton", "autotune", "modes", "rounds"):
+    old = header["sweep"]  # runs from before the fields: one round, providers timed in blocks
+    theirs.update(modes=old["modes"], rounds=old.get("rounds", 1), timing=old.get("timing", "blocks"))
+    for key in ("source_digest", "gpu", "driver", "torch", "triton", "autotune", "modes", "rounds", "timing"):
         if theirs.get(key) != mine.get(key):
             raise SystemExit(f"--resume {path}: its {key} is {theirs.get(key)!r}, this run's {mine.get(key)!r}")
     kept = []
@@ -489,7 +560,10 @@ def main(argv=None) -> int:
     header = {"schema": SCHEMA, "definitions": DEFINITIONS, "environment": env, "device": str(device)}
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    header["sweep"] = {"modes": args.modes, "providers": args.providers, "dtype": cases[0].dtype, "rounds": args.rounds}
+    header["sweep"] = {
+        "modes": args.modes, "providers": args.providers, "dtype": cases[0].dtype, "rounds": args.rounds,
+        "timing": TIMING,
+    }  # fmt: skip
     results = []
     if args.resume:
         header["resumed_environment"], results = _resumable(args.resume, env, header["sweep"], cases)
