@@ -87,7 +87,8 @@ def attention_backward_dq_convert_kernel(
     """Grid (rows / BLOCK_M, COLS / HALF): DQ (rows x COLS, contiguous, in the gradients' dtype) from the fused
     Hopper backward's fp32 sums of the same size, a tile of BLOCK_M x HALF per program. FRAGMENTS: the sums are laid
     out for the kernel's reductions: a tile's values as hopper._fragments orders a wgmma accumulator (BLOCK_M = 64),
-    the buffer's rows as (row tile, fragment row) and its columns as (column tile, 256). Else row-major, as DQ."""
+    the buffer's rows as (row tile, fragment row) and its columns as (column tile, FRAGMENT_COLS). Else row-major,
+    as DQ."""
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     if FRAGMENTS:
