@@ -105,6 +105,27 @@ def test_the_timer_takes_the_calls_in_turn():
     assert calls == ["x", "y", "x", "y", "y", "x", "x", "y"] and len(ms) == 2 and min(ms) >= 0
 
 
+def test_every_mode_is_timed_on_the_cpu():
+    """The real timer on real providers: forward, backward through a kept graph, and both."""
+    results = bench.run_case(CASE, ["flashtriton", "standard"], CPU, modes=bench.MODES, rounds=2)
+    for r in results:
+        assert r.unavailable is None
+        assert all(len(r.ms_rounds[mode]) == 2 and r.ms[mode] > 0 for mode in bench.MODES)
+
+
+def test_an_error_the_timer_cannot_pin_on_a_call_fails_the_round(monkeypatch):
+    order = []
+    monkeypatch.setattr(bench, "PROVIDERS", _providers(order))
+
+    def time_all(calls):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(bench, "_timer", lambda device: time_all)
+    results = bench.run_case(CASE, ["a", "b"], CPU, modes=("fwd",), rounds=2)
+    assert all(r.unavailable == "RuntimeError: CUDA error: an illegal memory access was encountered" for r in results)
+    assert not any(r.ms for r in results)
+
+
 def test_the_timer_names_the_call_that_failed():
     def fails():
         raise ValueError("no")

@@ -198,8 +198,8 @@ def _cpu_in_turn(calls: list[Callable]) -> list[float]:
 
 
 def _cuda_in_turn(calls: list[Callable], warmup_ms: float = 25.0, rep_ms: float = 100.0) -> list[float]:
-    """As triton.testing.do_bench for each call (L2 flushed before every call, events around it, warm-up and about
-    rep_ms of timed calls per call), but the calls taken in turn."""
+    """As triton.testing.do_bench (L2 flushed before every call, events around it), but the calls taken in turn:
+    about warmup_ms of untimed passes, then about rep_ms * len(calls) of timed ones (at least 5)."""
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
 
     def timed(i):
@@ -214,7 +214,7 @@ def _cuda_in_turn(calls: list[Callable], warmup_ms: float = 25.0, rep_ms: float 
         torch.cuda.synchronize()
         return [statistics.median(start.elapsed_time(end) for start, end in pairs) for pairs in events]
 
-    pass_ms = sum(elapsed(_in_turn(len(calls), 5, timed)))
+    pass_ms = max(sum(elapsed(_in_turn(len(calls), 5, timed))), 1e-3)
     _in_turn(len(calls), max(1, int(warmup_ms / pass_ms)), lambda i: _call(calls, i))
     return elapsed(_in_turn(len(calls), max(5, int(rep_ms * len(calls) / pass_ms)), timed))
 
@@ -250,7 +250,8 @@ def run_case(case: Case, providers, device: torch.device, modes=MODES, rounds: i
 
 def _time_round(time_all, trials: list[_Trial], mode: str) -> None:
     """One round of ``mode`` for the trials still available, timed together; a provider that fails is reported
-    unavailable and the others are timed again without it."""
+    unavailable and the others are timed again without it. An error the timer cannot pin on one call (the GPU's,
+    found at a synchronize) is reported for all of them."""
     while True:
         made = [(t, t.call(mode)) for t in trials if t.result.unavailable is None]
         made = [(t, call) for t, call in made if call is not None]  # None: the trial failed and says why
@@ -260,7 +261,12 @@ def _time_round(time_all, trials: list[_Trial], mode: str) -> None:
             times = time_all([call for _, call in made])
         except _CallFailed as failed:
             made[failed.index][0].fail(failed.error)
+            del made  # bwd: each call holds a graph; drop them before the retry makes new ones
             continue
+        except Exception as exc:
+            for trial, _ in made:
+                trial.fail(exc)
+            return
         for (trial, _), ms in zip(made, times, strict=True):
             trial.rounds.setdefault(mode, []).append(ms)
         return
@@ -302,8 +308,8 @@ class _Trial:
         self.result.peak_extra_mib = _peak_extra_mib(self.fwd, self.grad, self.device)
 
     def call(self, mode: str) -> Callable | None:
-        """What one timed call of ``mode`` runs (bwd: a backward through a graph kept from one forward now); None
-        if making it failed."""
+        """What one timed call of ``mode`` runs (bwd: a backward through a graph kept from one forward now, so a
+        round of bwd holds every provider's graph at once); None if making it failed."""
         fwd, grad = self.fwd, self.grad
         with self._guard():
             if mode == "fwd":
