@@ -1,8 +1,9 @@
 """Where the eager call's extra time goes (NOTES 70's next): ours (main), cols (branch wip/table-columns, package
 flashtriton_cols in scratch/ab) and cuDNN's causal N=512 forwards, five ways.
 A: CUDA graph of 10 calls, no flush. B: graph of 10 x (flush, call) minus graph of 10 flushes. C: eager, flush before
-each call (bench._cuda_in_turn's way). D: eager, no flush. E: eager with flush, but the stream held behind a sleep so
-the host is never late (host gaps out). C - E: host gap; E - A: the flush's cost to the kernel."""
+each call, a synchronize after each (the host on the timed path). D: as C without the flush. E: eager with flush, but
+the stream held behind a sleep so the host is never late (host gaps out; bench._cuda_in_turn's way, whose calls are
+queued without a synchronize between them). C - E: host gap; E - A: the flush's cost to the kernel."""
 
 import json
 import os
