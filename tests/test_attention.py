@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import flashtriton
-from flashtriton import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from flashtriton import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, ops
+from flashtriton.params import NO_BOUND, AttentionParams
 from helpers import (
     TARGETS,
     Shape,
@@ -82,6 +83,34 @@ def test_matches_reference(backend, shape, causal):
         for name, a, e, p in zip(("out", "lse", "dq", "dk", "dv"), ours, exact, plain, strict=True):
             assert a.dtype == (torch.float32 if name == "lse" else dtype), name
             assert_close_to_reference(f"{name} ({dtype})", a, e, p)
+
+
+# the portable kernel's odd shapes, and each sm90 Gluon forward (64-key causal tiles, D=256, three warpgroups)
+INFERENCE_SHAPES = {
+    "tiny": [Shape(2, 17, 17, 2, 1, 40), Shape(1, 33, 50, 4, 2, 24)],
+    "cpu": [Shape(2, 300, 200, 4, 2, 72)],
+    "gpu": [
+        Shape(2, 17, 113, 4, 1, 40),
+        Shape(2, 1024, 1024, 8, 4, 128),
+        Shape(3, 384, 384, 4, 2, 128),
+        Shape(2, 1024, 1024, 4, 2, 256),
+        Shape(1, 8192, 8192, 2, 1, 64),
+    ],
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("backend,shape", target_params(INFERENCE_SHAPES), indirect=["backend"])
+def test_inference_call_skips_lse_with_the_same_out(backend, shape, causal):
+    """A call that needs no gradient and no LSE gets none (the kernels skip writing it), and its out is bitwise
+    that of a call that returns the LSE (whose numerics test_matches_reference checks)."""
+    q, k, v = random_qkv(shape, dtype=torch.bfloat16, device=backend.device, requires_grad=False)
+    params = AttentionParams(shape.head_dim**-0.5, window_right=0 if causal else NO_BOUND)
+    out, lse = ops.attention(q, k, v, params, None, False, with_lse=False)
+    assert lse is None
+    full, _, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert torch.equal(out, full)
+    assert torch.equal(flash_attn_func(q, k, v, causal=causal), full)
 
 
 ONE_SHAPE = {

@@ -142,7 +142,7 @@ def _params(q, softmax_scale, causal, window_size, softcap, alibi_slopes, dropou
 def _attention(q, k, v, params: AttentionParams, deterministic: bool, return_attn_probs: bool) -> _Result:
     q, k, v = _autocast(q, k, v)
     seed = dropout.draw_seed() if params.dropout_p > 0 else None
-    out, lse = ops.attention(q, k, v, params, seed, bool(deterministic))
+    out, lse = ops.attention(q, k, v, params, seed, bool(deterministic), with_lse=return_attn_probs)
     if not return_attn_probs:
         return out
     return out, lse, _dropped_probs(q, k, v, params, int(seed)) if seed is not None else None

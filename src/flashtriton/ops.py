@@ -109,11 +109,13 @@ def _params(
     )  # fmt: skip
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams):
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams, with_lse: bool = True):
+    """(out, lse), lse None without ``with_lse``."""
     if q.numel() == 0 or k.numel() == 0:
         # nothing to compute, or no key at all: every row is empty
-        return torch.zeros_like(q), q.new_full(lse_shape(q, params.varlen), float("inf"), dtype=torch.float32)
-    return select_backend(q.device, q.dtype).forward(q, k, v, params)
+        lse = q.new_full(lse_shape(q, params.varlen), float("inf"), dtype=torch.float32) if with_lse else None
+        return torch.zeros_like(q), lse
+    return select_backend(q.device, q.dtype).forward(q, k, v, params, with_lse)
 
 
 def _backward_grads(dout, dlse, q, k, v, out, lse, params: AttentionParams):
@@ -252,8 +254,11 @@ def attention(
     params: AttentionParams,
     dropout_seed: torch.Tensor | None,
     deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable attention; dropout_seed: (1,) int64 CPU tensor, or None.
+    with_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Differentiable attention: (out, lse); dropout_seed: (1,) int64 CPU tensor, or None. Without ``with_lse``
+    a plain eager call that needs no gradient writes no LSE and returns None for it (as SDPA's inference call
+    asks for none); every other call has it, as the backward needs it.
 
     Plain eager tensors take the computation without the ops' dispatch; anything that watches or
     records ops goes through the custom ops: torch.compile / export, torch.jit.trace, a dispatch mode
@@ -269,5 +274,5 @@ def attention(
     differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if not differentiable and forward_ad._current_level < 0:  # dual tensors go to the Function, which refuses them
         with torch.no_grad():  # as in the Function: no gradient reaches ALiBi slopes or a mod's tensors
-            return _forward(q, k, v, params)  # no autograd node, no saved tensors
+            return _forward(q, k, v, params, with_lse)  # no autograd node, no saved tensors
     return _EagerAttention.apply(q, k, v, params)

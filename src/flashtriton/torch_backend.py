@@ -179,22 +179,24 @@ def _sequences(params: AttentionParams) -> list[tuple[slice, slice]]:
 
 
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """out (shaped as q, its dtype) and the natural-log LSE in fp32.
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams, with_lse: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """out (shaped as q, its dtype) and the natural-log LSE in fp32 (None without ``with_lse``: the blockwise
+    softmax computes it all the same, so it is only dropped).
 
     Dense: q (batch, seqlen_q, nheads, headdim), k, v (batch, seqlen_k, nheads_k, headdim),
     lse (batch, nheads, seqlen_q). Varlen: q (total_q, nheads, headdim), k, v (total_k, nheads_k,
     headdim), lse (nheads, total_q). Rows that see no key: out 0, lse +inf.
     """
     if not params.varlen:
-        return _forward(q, k, v, params, first_batch=0)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
-    for b, (rows_q, rows_k) in enumerate(_sequences(params)):
-        out_b, lse_b = _forward(q[None, rows_q], k[None, rows_k], v[None, rows_k], params, first_batch=b)
-        out[rows_q], lse[:, rows_q] = out_b[0], lse_b[0]
-    return out, lse
+        out, lse = _forward(q, k, v, params, first_batch=0)
+    else:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+        for b, (rows_q, rows_k) in enumerate(_sequences(params)):
+            out_b, lse_b = _forward(q[None, rows_q], k[None, rows_k], v[None, rows_k], params, first_batch=b)
+            out[rows_q], lse[:, rows_q] = out_b[0], lse_b[0]
+    return out, lse if with_lse else None
 
 
 def _forward(q, k, v, params: AttentionParams, first_batch: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -303,8 +303,11 @@ def _fields(entries: list[int], n_m: int, heads: int, batch: int) -> tuple[list[
     return fields, (m_bits, h_bits)
 
 
-def _lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int]:
-    """(batch, head) strides of the LSE rows: dense (B, H, N_Q), varlen (H, total_q) with no batch stride."""
+def _lse_strides(lse: torch.Tensor | None, varlen: bool) -> tuple[int, int]:
+    """(batch, head) strides of the LSE rows: dense (B, H, N_Q), varlen (H, total_q) with no batch stride; none
+    (zeros) for no LSE."""
+    if lse is None:
+        return 0, 0
     return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
 
 
@@ -431,18 +434,21 @@ def _hopper_dq(q, k, v, out, dout, lse, dlse, delta, dq, p: AttentionParams, cfg
     )  # fmt: skip
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """O and the natural-log LSE in fp32 (params.py has the layouts), via the fused forward kernel."""
-    key = _plan_key("forward", p, q, k, v)
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams, with_lse: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """O and the natural-log LSE in fp32 (params.py has the layouts), via the fused forward kernel; without
+    ``with_lse`` the kernel writes no LSE and None stands for it."""
+    key = _plan_key("forward" if with_lse else "forward without lse", p, q, k, v)
     plan = _PLANS.get(key)
     if plan is not None:
         made = plan(q=q, k=k, v=v)
-        return made["out"], made["lse"]
+        return made["out"], made.get("lse")
     recorder = Recorder(q=q, k=k, v=v)
     out_dtype = q.dtype
     run_dtype = _interpreter_dtype(q.dtype)
     shape = q.shape
-    lse = recorder.empty("lse", lse_shape(q, p.varlen), torch.float32, q.device)
+    lse = recorder.empty("lse", lse_shape(q, p.varlen), torch.float32, q.device) if with_lse else None
     q, k, v = (_kernel_view(x, run_dtype) for x in (q, k, v))
     batch, n_q, n_k = _lengths(q, k, p)
     head_dim = q.shape[3]

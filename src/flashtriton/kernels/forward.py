@@ -23,7 +23,7 @@ Feature flags (tl.constexpr; params.py has the semantics)
                come through the copy engine (TMA) instead of pointer loads
 
 Grid: (cdiv(N_Q, BLOCK_M), B * H), with N_Q the longest sequence under VARLEN. One program computes
-O[b, m0:m0+BLOCK_M, h, :] and its LSE:
+O[b, m0:m0+BLOCK_M, h, :] and its LSE (unless LSE is None):
 it keeps the Q tile in registers, streams the K/V tiles the rows can see through on-chip memory,
 and keeps a running max m, running sum l and unnormalised accumulator (online softmax).
 Normalisation by l happens once, after the last tile.
@@ -225,8 +225,9 @@ def attention_forward_kernel(
 
     o_ptrs = O + b * stride_ob + h * stride_oh + (q_start + rows[:, None]) * stride_om + offs_d[None, :]
     store_tile(o_ptrs, out.to(O.dtype.element_ty), rows, N_Q, offs_d, D, EVEN_M, EVEN_D)
-    lse_ptrs = LSE + b * stride_lb + h * stride_lh + q_start + rows
-    if EVEN_M:
-        tl.store(lse_ptrs, lse)
-    else:
-        tl.store(lse_ptrs, lse, mask=rows < N_Q)
+    if LSE is not None:  # None: the caller needs no LSE (an inference call)
+        lse_ptrs = LSE + b * stride_lb + h * stride_lh + q_start + rows
+        if EVEN_M:
+            tl.store(lse_ptrs, lse)
+        else:
+            tl.store(lse_ptrs, lse, mask=rows < N_Q)

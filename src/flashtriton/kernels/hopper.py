@@ -492,9 +492,10 @@ def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEF
     through shared memory and a TMA store that runs on while the next tile starts (a register store writes each
     row's columns in 16-byte pieces, 8 rows per instruction: about 1.5 us per tile at D=128, NOTES 34).
     shared: what every consumer takes, (outputs, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale,
-    window_left), outputs being (O, its row stride, o_store, LSE, LSE's batch and head strides)."""
+    window_left), outputs being (O, its row stride, o_store, lse_out), lse_out (LSE, its batch and head strides)
+    or () where no LSE is asked for."""
     outputs, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale, window_left = shared
-    O, stride_o, o_store, LSE, stride_lb, stride_lh = outputs
+    O, stride_o, o_store, lse_out = outputs
     BLOCK_M: gl.constexpr = q_ring[0].shape[1]
     o_layout: gl.constexpr = _mma_layout(D)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -527,8 +528,10 @@ def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEF
                                         qk_scale, window_left, turns, CAUSAL, LEFT, BLOCK_N, D, TREE)  # fmt: skip
                 # times the row's reciprocal: a division per element costs two instructions, not one
                 acc = acc * gl.expand_dims(gl.convert_layout(1.0 / l_i, rows_o), 1)
-                lse = LSE + b * stride_lb + h * stride_lh + lse0 + first_row
-                gl.store(lse + gl.arange(0, BLOCK_M, rows_s), (m_i + gl.log2(l_i)) * LN2)
+                if len(lse_out) > 0:
+                    LSE, stride_lb, stride_lh = lse_out
+                    lse = LSE + b * stride_lb + h * stride_lh + lse0 + first_row
+                    gl.store(lse + gl.arange(0, BLOCK_M, rows_s), (m_i + gl.log2(l_i)) * LN2)
                 if len(o_store) > 0:
                     o_desc, o_bufs = o_store
                     o_smem = o_bufs.index(W)
@@ -569,8 +572,8 @@ def attention_forward_sm90_kernel(
     q/k/v_desc: (rows, heads * D) views, blocks of [rows, D]: B sequences of N rows, or with VARLEN sequence b
     at rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] (N the longest), each a whole number of BLOCK_M and of BLOCK_N
     rows; O: the output, rows stride_o apart in that view, stored from registers, or through o_desc (the same
-    view, blocks of [BLOCK_M, D]) when that is not None. Rings of shared memory: Q_STAGES tiles per consumer
-    warpgroup, STAGES K tiles and STAGES V tiles.
+    view, blocks of [BLOCK_M, D]) when that is not None; LSE: each row's natural-log LSE, or None where the caller
+    needs none. Rings of shared memory: Q_STAGES tiles per consumer warpgroup, STAGES K tiles and STAGES V tiles.
     CAUSAL: query i sees keys j <= i, and with LEFT only j >= i - window_left. TREE_ROWS: the softmax's row max and
     sum as trees (_row_max). PINGPONG: the consumers issue their MMAs in turns (_await_turn)."""
     k_ring = _ring(_tiles(k_desc, STAGES), CONSUMERS)
@@ -584,7 +587,10 @@ def attention_forward_sm90_kernel(
         schedule = (SCHEDULE, m_bits, h_bits)
     if o_desc is not None:
         o_store = (o_desc, _tiles(o_desc, CONSUMERS))
-    outputs = (O, stride_o, o_store, LSE, stride_lb, stride_lh)
+    lse_out = ()
+    if LSE is not None:
+        lse_out = (LSE, stride_lb, stride_lh)
+    outputs = (O, stride_o, o_store, lse_out)
     shared = (outputs, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale, window_left)
     # 64K registers per SM: 232 per thread for each of two consumer warpgroups, 160 for three
     if CONSUMERS == 2:
