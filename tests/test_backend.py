@@ -87,10 +87,10 @@ def test_hopper_scope():
     assert forward("sm90", 64, torch.bfloat16, span=wide - 1).consumers == 2
     assert forward("sm90", 64, torch.bfloat16, span=wide, banded=True).consumers == 2
     assert forward("sm90", 128, torch.bfloat16, span=wide).consumers == 2
-    # the row reductions as trees for D=64's unbanded two-warpgroup spans only
-    d64 = functools.partial(forward, "sm90", 64, torch.bfloat16)
-    assert d64().tree_rows and not d64(banded=True).tree_rows and not d64(span=wide).tree_rows
-    assert not forward("sm90", 128, torch.bfloat16).tree_rows
+    # the row reductions as chains in every table row (trees lost on the H200, NOTES 74: an autotune candidate)
+    assert not any(forward("sm90", d, torch.bfloat16, span=s, banded=b).tree_rows
+                   for d in (64, 128, 256) for s in (512, wide) for b in (False, True))  # fmt: skip
+    assert any(c.tree_rows for c in config.hopper_forward_candidates(64, forward("sm90", 64, torch.bfloat16)))
     # the consumers' MMAs in turns for D=256 only, banded or not
     assert forward("sm90", 256, torch.bfloat16).pingpong and forward("sm90", 256, torch.bfloat16, banded=True).pingpong
     assert not any(forward("sm90", d, torch.bfloat16, span=s).pingpong for d in (64, 128) for s in (512, wide))

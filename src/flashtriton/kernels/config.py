@@ -212,11 +212,10 @@ _SM90_HOPPER_FORWARD = {
 _SM90_HOPPER_FORWARD_WIDE = {64: HopperForwardConfig(64, 128, 3, stage_o=True, consumers=3, q_stages=2)}
 WIDE_SPAN = 2048
 WIDE_BAND_SPAN = 4096
-# Unbanded spans below WIDE_SPAN, by head dim: D=64 takes its row max and sum as trees (NOTES 51), forward kernel ms
-# (CUDA-graph replay) against chains, same run, four rounds: N=512 0.1870 -> 0.1818 (cuDNN 0.1877), 1k 0.3411 ->
-# 0.3292 (0.3353). Under a causal bound the max's tree is slower (2k 0.375 -> 0.398, 4k 0.686 -> 0.739), and D=128
-# lost 1% with both (N=1k 0.249 -> 0.252, 16k 3.43-3.46 -> 3.49).
-_SM90_HOPPER_FORWARD_UNBANDED = {64: HopperForwardConfig(64, 128, 3, stage_o=True, q_stages=2, tree_rows=True)}
+# D=64 unbanded spans below WIDE_SPAN took the row max and sum as trees until NOTES 74 (NOTES 51, H100, forward kernel
+# ms by CUDA-graph replay against chains, same run: N=512 0.1870 -> 0.1818, 1k 0.3411 -> 0.3292). On the H200 at
+# 9cf99a8's kernels, no LSE, chains are faster: N=512 0.1851 -> 0.1775 (cuDNN 0.1865), 1k 0.3429 -> 0.3313 (0.3348);
+# the bench there, 0.996 -> 1.033 and 0.991 -> 1.010 x cuDNN. Trees stay an autotune candidate.
 # Banded spans of SHORT_BAND_SPAN keys or fewer (causal N=512): 64-key tiles, whose diagonal tiles waste half as
 # much (NOTES 39), forward kernel ms against 128-key tiles, same run: D=64 causal 512 0.159 -> 0.141, D=128 0.117
 # -> 0.105; at causal 1k (a span of 512) they lose (D=64 0.221 -> 0.231), as they do unbanded. D=128 with three K
@@ -370,8 +369,6 @@ def hopper_forward_config(
         return _SM90_HOPPER_FORWARD_SHORT_BAND.get(head_dim, _SM90_HOPPER_FORWARD[head_dim])
     if span >= (WIDE_BAND_SPAN if banded else WIDE_SPAN):
         return _SM90_HOPPER_FORWARD_WIDE.get(head_dim, _SM90_HOPPER_FORWARD[head_dim])
-    if not banded:
-        return _SM90_HOPPER_FORWARD_UNBANDED.get(head_dim, _SM90_HOPPER_FORWARD[head_dim])
     return _SM90_HOPPER_FORWARD[head_dim]
 
 
@@ -444,12 +441,11 @@ def hopper_forward_candidates(head_dim: int, table: HopperForwardConfig) -> list
     bands = (
         _SM90_HOPPER_FORWARD,
         _SM90_HOPPER_FORWARD_WIDE,
-        _SM90_HOPPER_FORWARD_UNBANDED,
         _SM90_HOPPER_FORWARD_SHORT_BAND,
     )
     rows = [band[head_dim] for band in bands if head_dim in band]
     slots = [replace(table, stages=table.stages + d) for d in (-1, 1) if table.stages + d >= 2]
-    return [*rows, *slots, replace(table, pingpong=not table.pingpong)]
+    return [*rows, *slots, replace(table, pingpong=not table.pingpong), replace(table, tree_rows=not table.tree_rows)]
 
 
 # Tiles of the PyTorch (CPU) path: large enough for efficient matmuls, small enough that the
