@@ -166,3 +166,19 @@ def test_tuned_calls_match_the_reference(target, shape, tuning, monkeypatch):
     again.backward(dout)
     for name, first, second in zip(("out", "dq", "dk", "dv"), results, (again, q.grad, k.grad, v.grad), strict=True):
         assert torch.equal(first, second), f"{name} changed with the cached choice"
+
+
+@pytest.mark.parametrize("target, shape", [pytest.param(t, s, id=f"{t}-{s}") for t in TARGETS for s in _SHAPES[t.size]])
+def test_an_inference_call_tunes_without_the_lse(target, shape, tuning, monkeypatch):
+    """A call that needs neither a gradient nor the LSE tunes its forward too (the kernels write out alone), and is
+    right with the choice."""
+    monkeypatch.setenv("FLASHTRITON_BACKEND", target.backend)
+    dtype = torch.float16 if target.device == "cuda" else torch.float32
+    q, k, v = random_qkv(shape, dtype, target.device, requires_grad=False)
+    out = flash_attn_func(q, k, v, causal=True)
+    assert json.loads(tuning.read_text())  # tuned and cached
+    dout = torch.zeros_like(q)
+    dlse = torch.zeros(shape.batch, shape.heads, shape.n_q, device=target.device)
+    exact = reference_outputs(q, k, v, dout, dlse, causal=True)
+    plain = reference_outputs(q, k, v, dout, dlse, causal=True, compute_dtype=dtype)
+    assert_close_to_reference("out", out, exact[0], plain[0])

@@ -461,9 +461,9 @@ def forward(
     if hopper_cfg is not None and _hopper_fits(p, hopper_cfg.rows, q, k, v):
         if autotune.enabled():
 
-            def run(c: config.HopperForwardConfig) -> tuple[torch.Tensor, torch.Tensor]:
+            def run(c: config.HopperForwardConfig) -> tuple[torch.Tensor, ...]:
                 _hopper_forward(q, k, v, out, lse, p, c, Recorder())
-                return out, lse
+                return _written(out, lse)
 
             candidates = config.hopper_forward_candidates(head_dim, hopper_cfg)
             candidates = [c for c in candidates if _hopper_fits(p, c.rows, q, k, v)]
@@ -477,10 +477,15 @@ def forward(
         cfg = autotune.choose(
             "forward", _tuning_key(p, head_dim, run_dtype, span), cfg,
             config.forward_candidates(arch, head_dim, run_dtype, cfg),
-            lambda c: _portable_forward(q, k, v, out, lse, p, c, batch, n_q, n_k), q.device,
+            lambda c: _written(*_portable_forward(q, k, v, out, lse, p, c, batch, n_q, n_k)), q.device,
         )  # fmt: skip
     _portable_forward(q, k, v, out, lse, p, cfg, batch, n_q, n_k)
     return _user_view(out, shape, out_dtype), lse
+
+
+def _written(out: torch.Tensor, lse: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """What a forward wrote, for autotune to compare between configs: out, and the LSE unless none was asked for."""
+    return (out,) if lse is None else (out, lse)
 
 
 def _portable_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.ForwardConfig, batch, n_q, n_k):
