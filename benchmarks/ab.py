@@ -1,8 +1,8 @@
 """Kernel A/Bs by CUDA-graph replay, for the scripts under benchmarks/results (NOTES.md's measurements).
 
 Each variant's call is captured as one graph of ``reps`` calls, so that host time never shows; the graphs are
-replayed in turn, the order rotated every round so that none always runs first or after the same one, with CUDA
-events around each replay and a synchronize only every few rounds.
+replayed in turn, the order rotated every round so that none always runs first, with CUDA events around each
+replay and a synchronize only every few rounds.
 
     graphs = {name: capture(fn) for name, fn in variants.items()}
     times = rotated({name: g for name, (g, _) in graphs.items()})

@@ -15,8 +15,8 @@ where the pairs divide evenly among the programs, or each program runs only a fe
 land late on an already loaded program. ``makespan`` and ``pairs_makespan`` let the caller keep the better one.
 
 Greedy hands out whole tiles, so its end lies up to a tile's cost past the mean work: 3% at N=512, where a program
-runs 8-16 tiles. A local search then trades tiles between the most loaded program and others, within a batch or
-the next either side (_balance): forward kernel time 1-3% lower where it narrows the end (NOTES 74).
+runs 8-31 tiles. A local search then trades tiles between the most loaded program and others, within a batch or
+the next either side (_balance): forward kernel time 0.3-2.8% lower where it narrows the end (NOTES 74).
 
 Table layout (int32): entries [0, P] are offsets, program i's tiles being entries P + 1 + offsets[i] up to
 P + 1 + offsets[i + 1]; each entry is ((head * n_m + p) << 1) | r for query tile p of a head counted longest
@@ -54,7 +54,8 @@ def causal_forward(
                 owner[head * n_m + p] = i
                 heapq.heappush(least, (work + costs[p], i))
     if balance and heads * n_m <= BALANCED_TILES * programs:
-        _balance(owner, [costs[t % n_m] for t in range(heads * n_m)], [t // n_m // per_batch for t in owner], programs)
+        tiles = range(heads * n_m)
+        _balance(owner, [costs[t % n_m] for t in tiles], [t // n_m // per_batch for t in tiles], programs)
     lists: list[list[int]] = [[] for _ in range(programs)]
     # each program's tiles batch by batch, a batch's longest first (the greedy's own order, which _balance keeps)
     for t in sorted(owner, key=lambda t: (t // n_m // per_batch, rank[t % n_m], t // n_m)):
@@ -80,7 +81,7 @@ def _balance(owner: dict[int, int], cost: list[int], batch: list[int], programs:
     by_batch: dict[int, list[int]] = {}
     for t in sorted(owner):
         by_batch.setdefault(batch[t], []).append(t)
-    for _ in range(4 * programs):  # a bound on the host time; the bench's shapes settle within about 60 steps
+    for _ in range(4 * programs):  # a bound on the host time; the bench's shapes settle within about 130 steps
         x = max(range(programs), key=work.__getitem__)
         low = min(range(programs), key=work.__getitem__)
         best, step = work[x], None
@@ -111,8 +112,8 @@ def _balance(owner: dict[int, int], cost: list[int], batch: list[int], programs:
             work[x] += cost[u]
 
 
-# _balance runs where programs have at most this many tiles each (under 0.1 s of Python at 8-32; with more the
-# greedy's end is within half a percent of the mean and a search takes longer).
+# _balance runs where programs have at most this many tiles each: up to about 0.3 s of Python, once per shape (under
+# 0.1 s at the bench's 8-31). With more, the greedy's end lies within 1-2% of the mean, and a search takes longer.
 BALANCED_TILES = 64
 
 

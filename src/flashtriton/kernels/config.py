@@ -9,9 +9,9 @@ backward by the same span, ``windowed`` (the band has a left bound), ``causal``,
 ``arch`` is ``"sm90"`` for Hopper, ``"cuda"`` for any other CUDA GPU, and ``"interpreter"`` for
 Triton's CPU interpreter, where tiles are small so that tiny test shapes still span several tiles
 and reach every boundary path.
-The sm90 rows won sweeps on an H200 or, from 2026-11-25 on, an H100 (the only card lent since;
-benchmarks/NOTES.md names each run's card). Banded and unbanded spans may take different rows (the
-Gluon forward's short band and D=64 trees, the portable D=128 backward's _SM90_CAUSAL_BACKWARD). The table
+The sm90 rows won sweeps on an H200 or, on 2026-11-25, an H100 (benchmarks/NOTES.md names each run's
+card). Banded and unbanded spans may take different rows (the Gluon forward's short band, the portable
+D=128 backward's _SM90_CAUSAL_BACKWARD). The table
 for other CUDA GPUs is an unmeasured starting point that only fits shared memory.
 """
 
@@ -411,9 +411,10 @@ def backward_config(
 
 # Opt-in autotuning of the forward (autotune.py, FLASHTRITON_AUTOTUNE=1) times these beside the table's choice, on a
 # call's own inputs: the portable kernel's tiles of benchmarks/tune.py's sweep (fewer: a first call compiles each),
-# and the Gluon kernel's rows of the other span bands plus the table's row with a K/V slot more or fewer and with
-# its consumers' turns switched. Candidates that do not compile or fit the GPU's shared memory are skipped. The
-# backward is not tuned: one of its sweep's tiles faulted on an H100 (benchmarks/NOTES.md 65, 66).
+# and the Gluon kernel's rows of the other span bands plus the table's row with a K/V slot more or fewer, with its
+# consumers' turns switched, and with its row reductions as trees or chains switched. Candidates that do not compile
+# or fit the GPU's shared memory are skipped. The backward is not tuned: one of its sweep's tiles faulted on an H100
+# (benchmarks/NOTES.md 65, 66).
 AUTOTUNE_WARMUP_MS = 10
 AUTOTUNE_REP_MS = 40
 AUTOTUNE_MARGIN = 0.02  # a candidate replaces the table's config only when this much faster
