@@ -101,13 +101,30 @@ INFERENCE_SHAPES = {
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("backend,shape", target_params(INFERENCE_SHAPES), indirect=["backend"])
-def test_inference_call_skips_lse_with_the_same_out(backend, shape, causal):
-    """A call that needs no gradient and no LSE gets none (the kernels skip writing it), and its out is bitwise
-    that of a call that returns the LSE (whose numerics test_matches_reference checks)."""
+def test_inference_call_skips_lse_with_the_same_out(backend, shape, causal, monkeypatch):
+    """A call that needs no gradient and no LSE gets none, the Triton kernels are launched without one (they skip
+    writing it), and its out is bitwise that of a call that returns the LSE (whose numerics test_matches_reference
+    checks)."""
+    launched = []
+    if backend.backend == "triton":
+        from flashtriton import triton_backend
+
+        monkeypatch.setattr(triton_backend, "_PLANS", {})  # the call records its launches, not a replay of others
+
+        def spying(launch):
+            def spy(q, k, v, out, lse, *rest):
+                launched.append(lse)
+                return launch(q, k, v, out, lse, *rest)
+
+            return spy
+
+        for name in ("_hopper_forward", "_portable_forward"):
+            monkeypatch.setattr(triton_backend, name, spying(getattr(triton_backend, name)))
     q, k, v = random_qkv(shape, dtype=torch.bfloat16, device=backend.device, requires_grad=False)
     params = AttentionParams(shape.head_dim**-0.5, window_right=0 if causal else NO_BOUND)
     out, lse = ops.attention(q, k, v, params, None, False, with_lse=False)
     assert lse is None
+    assert launched == ([None] if backend.backend == "triton" else [])
     full, _, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     assert torch.equal(out, full)
     assert torch.equal(flash_attn_func(q, k, v, causal=causal), full)
