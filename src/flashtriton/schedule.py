@@ -16,7 +16,7 @@ land late on an already loaded program. ``makespan`` and ``pairs_makespan`` let 
 
 Greedy hands out whole tiles, so its end lies up to a tile's cost past the mean work: 3% at N=512, where a program
 runs 8-31 tiles. A local search then trades tiles between the most loaded program and others, within a batch or
-the next either side (_balance): forward kernel time 0.3-2.8% lower where it narrows the end (NOTES 74).
+the next either side (_balance): forward kernel time 0.3-2.8% lower where it narrows the end (H100, NOTES 74).
 
 Table layout (int32): entries [0, P] are offsets, program i's tiles being entries P + 1 + offsets[i] up to
 P + 1 + offsets[i + 1]; each entry is ((head * n_m + p) << 1) | r for query tile p of a head counted longest
@@ -86,8 +86,9 @@ def _balance(owner: dict[int, int], cost: list[int], batch: list[int], programs:
         low = min(range(programs), key=work.__getitem__)
         best, step = work[x], None
         for t in mine[x]:
-            if max(work[x] - cost[t], work[low] + cost[t]) < best:
-                best, step = max(work[x] - cost[t], work[low] + cost[t]), (t, low, None)
+            end = max(work[x] - cost[t], work[low] + cost[t])
+            if end < best:
+                best, step = end, (t, low, None)
         for t in mine[x]:
             for b in (batch[t] - 1, batch[t], batch[t] + 1):
                 for u in by_batch.get(b, ()):
