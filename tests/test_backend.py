@@ -91,10 +91,13 @@ def test_hopper_scope():
     assert not any(forward("sm90", d, torch.bfloat16, span=s, banded=b).tree_rows
                    for d in (64, 128, 256) for s in (512, wide) for b in (False, True))  # fmt: skip
     assert any(c.tree_rows for c in config.hopper_forward_candidates(64, forward("sm90", 64, torch.bfloat16)))
-    # the consumers' MMAs in turns for D=256 only, banded or not
+    # the consumers' MMAs in turns for D=256, banded or not, and D=64's three unbanded (NOTES 75)
     assert forward("sm90", 256, torch.bfloat16).pingpong and forward("sm90", 256, torch.bfloat16, banded=True).pingpong
-    assert not any(forward("sm90", d, torch.bfloat16, span=s).pingpong for d in (64, 128) for s in (512, wide))
-    assert forward("sm90", 64, torch.bfloat16, span=config.WIDE_BAND_SPAN, banded=True).consumers == 3
+    assert forward("sm90", 64, torch.bfloat16, span=wide).pingpong
+    unturned = ((64, wide - 1), (128, 512), (128, wide))
+    assert not any(forward("sm90", d, torch.bfloat16, span=s).pingpong for d, s in unturned)
+    banded_wide = forward("sm90", 64, torch.bfloat16, span=config.WIDE_BAND_SPAN, banded=True)
+    assert banded_wide.consumers == 3 and not banded_wide.pingpong
     # 64-key tiles for short banded spans only
     short = config.SHORT_BAND_SPAN
     assert forward("sm90", 128, torch.bfloat16, span=short, banded=True).block_n == 64
@@ -168,15 +171,17 @@ def _qkv(gen: torch.Generator, *shape: int, group: int = 1, grad: bool = False) 
 def test_hopper_forward_turns_change_no_bits(head_dim, monkeypatch):
     """The consumers' MMAs in turns (pingpong) only reorder their issue: every forward path gives the same bits with
     and without, and none hangs. Causal tiles whose warpgroups own different numbers of key tiles, a window's lead
-    tiles, a sequence that ends inside a tile, three warpgroups (D=64's long spans)."""
+    tiles, sequences that end inside a tile, three warpgroups (D=64's long spans), banded or not."""
     run, calls = _config_switch(monkeypatch, "_hopper_forward", "hopper_forward_config", -2)
     gen = torch.Generator(device="cuda").manual_seed(0)
     cu = torch.tensor([0, 64, 320, 448], device="cuda", dtype=torch.int32)  # 64 rows: half a two-warpgroup tile
+    long = torch.tensor([0, 64, 1100, 1200], device="cuda", dtype=torch.int32)  # unbanded 1036: three warpgroups
     cases = [
         (flash_attn_func, _qkv(gen, 2, 512, 3, head_dim), {"causal": True}),
         (flash_attn_func, _qkv(gen, 1, 1024, 2, head_dim), {"causal": True, "window_size": (300, 0)}),
         (flash_attn_varlen_func, [*_qkv(gen, 448, 2, head_dim), cu, cu, 256, 256], {"causal": True}),
         (flash_attn_func, _qkv(gen, 1, 2048, 2, head_dim), {}),
+        (flash_attn_varlen_func, [*_qkv(gen, 1200, 2, head_dim), long, long, 1036, 1036], {}),
         (flash_attn_func, _qkv(gen, 1, 4096, 1, head_dim), {"causal": True}),
     ]
     for fn, args, kwargs in cases:

@@ -208,11 +208,16 @@ _SM90_HOPPER_FORWARD = {
 # third warpgroup idles on the last tile of a head); causal 1.54-1.77x slower at N <= 1k, 6% at 4k (a causal tile's
 # warpgroups see different numbers of keys), 1-2% faster at 8k and 16k (NOTES 39). With two Q tiles each (NOTES 37):
 # 16k 4.38 -> 4.25, 4k 1.19 -> 1.15. D=128 has neither the registers (296 B of spill) nor the shared memory for a
-# third.
-_SM90_HOPPER_FORWARD_WIDE = {64: HopperForwardConfig(64, 128, 3, stage_o=True, consumers=3, q_stages=2)}
-WIDE_SPAN = 2048
+# third. Unbanded, the three take their MMAs in turns (pingpong) from a span of 1k (NOTES 75: H200, forward kernel
+# ms by CUDA-graph replay, no LSE, two consumers / three / three in turns: N=512 0.1789 / 0.1822 / 0.1879, 1k 0.3360
+# / 0.3347 / 0.3271 (cuDNN 0.3407); three / three in turns: 2k 0.6038 / 0.5852, 4k 1.1776 / 1.1363, 8k 2.2352 /
+# 2.1497, 16k 4.3638 / 4.2657). Banded, turns lose: causal 4k 0.6531 -> 0.6793, 8k 1.1865 -> 1.2496, 16k 2.2907 ->
+# 2.4272.
+_SM90_HOPPER_FORWARD_WIDE = {64: HopperForwardConfig(64, 128, 3, stage_o=True, consumers=3, q_stages=2, pingpong=True)}
+_SM90_HOPPER_FORWARD_WIDE_BAND = {64: HopperForwardConfig(64, 128, 3, stage_o=True, consumers=3, q_stages=2)}
+WIDE_SPAN = 1024
 WIDE_BAND_SPAN = 4096
-# D=64 unbanded spans below WIDE_SPAN took the row max and sum as trees until NOTES 74 (NOTES 51, H100, forward kernel
+# D=64 unbanded spans below 2k took the row max and sum as trees until NOTES 74 (NOTES 51, H100, forward kernel
 # ms by CUDA-graph replay against chains, same run: N=512 0.1870 -> 0.1818, 1k 0.3411 -> 0.3292). On the H200 at
 # 9cf99a8's kernels, no LSE, chains are faster: N=512 0.1851 -> 0.1775 (cuDNN 0.1865), 1k 0.3429 -> 0.3313 (0.3348);
 # the bench there, 0.996 -> 1.033 and 0.991 -> 1.010 x cuDNN. Trees stay an autotune candidate.
@@ -367,7 +372,9 @@ def hopper_forward_config(
         return None
     if banded and span <= SHORT_BAND_SPAN:
         return _SM90_HOPPER_FORWARD_SHORT_BAND.get(head_dim, _SM90_HOPPER_FORWARD[head_dim])
-    if span >= (WIDE_BAND_SPAN if banded else WIDE_SPAN):
+    if banded and span >= WIDE_BAND_SPAN:
+        return _SM90_HOPPER_FORWARD_WIDE_BAND.get(head_dim, _SM90_HOPPER_FORWARD[head_dim])
+    if not banded and span >= WIDE_SPAN:
         return _SM90_HOPPER_FORWARD_WIDE.get(head_dim, _SM90_HOPPER_FORWARD[head_dim])
     return _SM90_HOPPER_FORWARD[head_dim]
 
@@ -442,6 +449,7 @@ def hopper_forward_candidates(head_dim: int, table: HopperForwardConfig) -> list
     bands = (
         _SM90_HOPPER_FORWARD,
         _SM90_HOPPER_FORWARD_WIDE,
+        _SM90_HOPPER_FORWARD_WIDE_BAND,
         _SM90_HOPPER_FORWARD_SHORT_BAND,
     )
     rows = [band[head_dim] for band in bands if head_dim in band]
