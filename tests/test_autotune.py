@@ -170,13 +170,18 @@ def test_tuned_calls_match_the_reference(target, shape, tuning, monkeypatch):
 
 @pytest.mark.parametrize("target, shape", [pytest.param(t, s, id=f"{t}-{s}") for t in TARGETS for s in _SHAPES[t.size]])
 def test_an_inference_call_tunes_without_the_lse(target, shape, tuning, monkeypatch):
-    """A call that needs neither a gradient nor the LSE tunes its forward too (the kernels write out alone), and is
-    right with the choice."""
+    """A call that needs neither a gradient nor the LSE tunes its forward too (the kernels write out alone), under
+    its own key (a training call's choice, timed with the LSE written, is not taken for it), and is right with the
+    choice."""
     monkeypatch.setenv("FLASHTRITON_BACKEND", target.backend)
     dtype = torch.float16 if target.device == "cuda" else torch.float32
     q, k, v = random_qkv(shape, dtype, target.device, requires_grad=False)
     out = flash_attn_func(q, k, v, causal=True)
-    assert json.loads(tuning.read_text())  # tuned and cached
+    inference = json.loads(tuning.read_text())
+    assert len(inference) == 1 and all(key.endswith("|no lse") for key in inference)
+    flash_attn_func(q, k, v, causal=True, return_attn_probs=True)  # returns the LSE: tuned again, writing it
+    keys = set(json.loads(tuning.read_text()))
+    assert len(keys) == 2 and set(inference) < keys
     dout = torch.zeros_like(q)
     dlse = torch.zeros(shape.batch, shape.heads, shape.n_q, device=target.device)
     exact = reference_outputs(q, k, v, dout, dlse, causal=True)

@@ -381,12 +381,14 @@ def _span(p: AttentionParams, n_q: int, n_k: int) -> int:
     return min(n_k, p.window_left + p.window_right + 1)
 
 
-def _tuning_key(p: AttentionParams, head_dim: int, dtype: torch.dtype, span: int) -> tuple:
+def _tuning_key(p: AttentionParams, head_dim: int, dtype: torch.dtype, span: int, with_lse: bool) -> tuple:
     """What a tuned config is chosen for beside the kernel family and the GPU (autotune.choose): the head dim, the
-    dtype, the span's bucket and the features on."""
+    dtype, the span's bucket, the features on, and whether the LSE is written (an inference call's kernel writes
+    none, and its best config may differ)."""
     _, flags = _features(p)
     features = tuple(name for name, on in sorted(flags.items()) if on and not name.startswith("SPARSE_BLOCK"))
-    return head_dim, str(dtype).removeprefix("torch."), autotune.span_bucket(span), *features
+    written = () if with_lse else ("no lse",)
+    return head_dim, str(dtype).removeprefix("torch."), autotune.span_bucket(span), *features, *written
 
 
 def _lengths(q: torch.Tensor, k: torch.Tensor, p: AttentionParams) -> tuple[int, int, int]:
@@ -467,7 +469,7 @@ def forward(
 
             candidates = config.hopper_forward_candidates(head_dim, hopper_cfg)
             candidates = [c for c in candidates if _hopper_fits(p, c.rows, q, k, v)]
-            tuning = _tuning_key(p, head_dim, run_dtype, span)
+            tuning = _tuning_key(p, head_dim, run_dtype, span, lse is not None)
             hopper_cfg = autotune.choose("gluon forward", tuning, hopper_cfg, candidates, run, q.device)
         recorder.add(_hopper_forward(q, k, v, out, lse, p, hopper_cfg, recorder))
         _keep(key, recorder)  # replays return out as it is: a plan's tensors are in their run dtype and shape
@@ -475,7 +477,7 @@ def forward(
     cfg = config.forward_config(arch, head_dim, run_dtype, span, _plain(p))
     if autotune.enabled():
         cfg = autotune.choose(
-            "forward", _tuning_key(p, head_dim, run_dtype, span), cfg,
+            "forward", _tuning_key(p, head_dim, run_dtype, span, lse is not None), cfg,
             config.forward_candidates(arch, head_dim, run_dtype, cfg),
             lambda c: _written(*_portable_forward(q, k, v, out, lse, p, c, batch, n_q, n_k)), q.device,
         )  # fmt: skip
