@@ -1,9 +1,9 @@
-"""D=128 backward below its fused span (config: 2048): fused (dQ by TMA reductions in the dK/dV kernel) against the
-Gluon pair (dQ kernel, then dK/dV), whole backward by CUDA-graph replay (benchmarks/ab.py), H200, one process.
-Writes $OUT/bwd128_ab.json after every case."""
+"""D=128 backward below its fused span (config: 2048), and D=64's for comparison: fused (dQ by TMA reductions in the
+dK/dV kernel) against the Gluon pair (dQ kernel, then dK/dV), whole backward by CUDA-graph replay (benchmarks/ab.py),
+one process. Writes $OUT/bwd128_ab.json after every case. (Run from scratch as written before ab.paper_case and
+ab.save existed; folded onto them after: the same inputs and calls.)"""
 
 import functools
-import json
 import os
 import sys
 import time
@@ -12,31 +12,19 @@ from dataclasses import replace
 import torch
 
 sys.path.insert(0, "benchmarks")
-from ab import capture, quartiles, rotated
+from ab import capture, paper_case, quartiles, rotated, save
 
 from flashtriton import triton_backend as tb
 from flashtriton.kernels import config
-from flashtriton.params import NO_BOUND, AttentionParams
 
 table = config.hopper_backward_config
 out_path = os.path.join(os.environ.get("OUT", "."), "bwd128_ab.json")
-CASES = [
-    (128, 512, False),
-    (128, 1024, False),
-    (128, 2048, False),
-    (128, 1024, True),
-    (128, 2048, True),
-    (128, 4096, True),
-    (64, 512, False),
-    (64, 1024, True),
-]
+CASES = [(128, 512, False), (128, 1024, False), (128, 2048, False), (128, 1024, True), (128, 2048, True),
+         (128, 4096, True), (64, 512, False), (64, 1024, True)]  # fmt: skip
 results = []
 for d, n, causal in CASES:
     start = time.time()
-    b, h = 16384 // n, 2048 // d
-    torch.manual_seed(0)
-    q, k, v, dout = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    p = AttentionParams(d**-0.5, window_right=0 if causal else NO_BOUND)
+    (q, k, v, dout), p = paper_case(d, n, causal, count=4)
     out, lse = tb.forward(q, k, v, p, with_lse=True)
     dlse = torch.zeros_like(lse)
     graphs = {}
@@ -48,29 +36,15 @@ for d, n, causal in CASES:
     for g, _ in graphs.values():
         g.replay()
     torch.cuda.synchronize()
-    diff = {
-        x: (a.float() - c.float()).abs().max().item()
-        for x, a, c in zip("qkv", graphs["fused"][1], graphs["pair"][1], strict=True)
-    }
+    diff = {x: (a.float() - c.float()).abs().max().item()
+            for x, a, c in zip("qkv", graphs["fused"][1], graphs["pair"][1], strict=True)}  # fmt: skip
     quart = {x: quartiles(t) for x, t in rotated({x: g for x, (g, _) in graphs.items()}).items()}
-    row = {
-        "case": f"d{d} {'causal ' if causal else ''}{n}",
-        "ms_q1_med_q3": quart,
-        "max_abs_diff": diff,
-        "table_fused_span": table("sm90", d, torch.bfloat16).fused_span,
-        "seconds": time.time() - start,
-    }
+    row = {"case": f"d{d} {'causal ' if causal else ''}{n}", "ms_q1_med_q3": quart, "max_abs_diff": diff,
+           "table_fused_span": table("sm90", d, torch.bfloat16).fused_span, "seconds": time.time() - start}  # fmt: skip
     results.append(row)
-    with open(out_path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": results}, f, indent=1)
+    save(out_path, results)
     med = {x: t[1] for x, t in quart.items()}
-    ratio = med["fused"] / med["pair"]
-    print(
-        f"{row['case']:<16}",
-        " ".join(f"{x} {med[x]:.4f}" for x in med),
-        f"fused/pair {ratio:.3f}",
-        {x: f"{e:.2g}" for x, e in diff.items()},
-        f"{row['seconds']:.0f}s",
-        flush=True,
-    )
+    print(f"{row['case']:<16}", " ".join(f"{x} {med[x]:.4f}" for x in med),
+          f"fused/pair {med['fused'] / med['pair']:.3f}", {x: f"{e:.2g}" for x, e in diff.items()},
+          f"{row['seconds']:.0f}s", flush=True)  # fmt: skip
     del graphs
