@@ -189,7 +189,7 @@ _SM90_SHORT_BACKWARD = {128: BackwardConfig(32, 128, 128, 64, 8, 2, 3, tma=True)
 # median) against without, same run: N=512 0.1319 -> 0.1245, 1k 0.2258 -> 0.2188, 16k 3.274 -> 3.130, causal 512
 # 0.1092 -> 0.1060 / 0.1068 -> 0.1052 / 0.1068 -> 0.1057 (three runs), causal 2k 0.2461 -> 0.2386, causal 16k 1.779
 # -> 1.623; causal 1k 0.1310 -> 0.1330. At D=64 it loses (causal 512 0.1310 -> 0.1379, causal 1k 0.1943 -> 0.2013),
-# at D=128 it is level; D=64's three warpgroups at 16k (4.349 -> 4.254, one run) are not followed up.
+# at D=128 it is level; D=64's three warpgroups at 16k (4.349 -> 4.254, one run) take turns since NOTES 75.
 # D=128 takes two K and two V slots and, in the room that frees, two Q tiles per warpgroup (NOTES 55 for unbanded
 # spans below 2k, NOTES 63 for the rest), forward kernel ms (H100, CUDA-graph replay, five rounds, min and max)
 # against three K and two V slots with one Q tile, two runs: N=512 0.1282-0.1298 / 0.1270-0.1300 against
@@ -211,8 +211,8 @@ _SM90_HOPPER_FORWARD = {
 # third. Unbanded, the three take their MMAs in turns (pingpong) from a span of 1k (NOTES 75: H200, forward kernel
 # ms by CUDA-graph replay, no LSE, two consumers / three / three in turns: N=512 0.1789 / 0.1822 / 0.1879, 1k 0.3360
 # / 0.3347 / 0.3271 (cuDNN 0.3407); three / three in turns: 2k 0.6038 / 0.5852, 4k 1.1776 / 1.1363, 8k 2.2352 /
-# 2.1497, 16k 4.3638 / 4.2657). Banded, turns lose: causal 4k 0.6531 -> 0.6793, 8k 1.1865 -> 1.2496, 16k 2.2907 ->
-# 2.4272.
+# 2.1497, 16k 4.3638 / 4.2657). Banded, turns lose: causal 8k 1.1865 -> 1.2496, 16k 2.2907 -> 2.4272 (a causal
+# span is half of N: three warpgroups from causal 8k).
 _SM90_HOPPER_FORWARD_WIDE = {64: HopperForwardConfig(64, 128, 3, stage_o=True, consumers=3, q_stages=2, pingpong=True)}
 _SM90_HOPPER_FORWARD_WIDE_BAND = {64: HopperForwardConfig(64, 128, 3, stage_o=True, consumers=3, q_stages=2)}
 WIDE_SPAN = 1024
