@@ -121,8 +121,8 @@ def test_inference_call_skips_lse_with_the_same_out(backend, shape, causal, monk
         for name in ("_hopper_forward", "_portable_forward"):
             monkeypatch.setattr(triton_backend, name, spying(getattr(triton_backend, name)))
     q, k, v = random_qkv(shape, dtype=torch.bfloat16, device=backend.device, requires_grad=False)
-    params = AttentionParams(shape.head_dim**-0.5, window_right=0 if causal else NO_BOUND)
-    out, lse = ops.attention(q, k, v, params, None, False, with_lse=False)
+    params = AttentionParams(shape.head_dim**-0.5, window_right=0 if causal else NO_BOUND, write_lse=False)
+    out, lse = ops.attention(q, k, v, params)
     assert lse is None
     assert launched == ([None] if backend.backend == "triton" else [])
     full, _, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)

@@ -6,36 +6,41 @@ import functools
 import pytest
 import torch
 
-from flashtriton import flash_attn_func, flash_attn_varlen_func, ops, torch_backend, triton_backend
+from flashtriton import flash_attn_func, flash_attn_varlen_func, route, triton_backend
 from flashtriton.kernels import config
 from flashtriton.params import AttentionParams
 from helpers import assert_close_to_reference, hopper, poison_empty
 
 
+def _family(device: str, dtype: torch.dtype) -> str:
+    q = torch.empty(1, 128, 2, 64, device=device, dtype=dtype)
+    return route.forward(q, q, q, AttentionParams(0.125)).family
+
+
 def test_auto_picks_torch_path_on_cpu(monkeypatch):
     monkeypatch.delenv("FLASHTRITON_BACKEND", raising=False)
-    assert ops.select_backend(torch.device("cpu"), torch.float16) is torch_backend
+    assert _family("cpu", torch.float16) == route.TORCH
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_auto_picks_triton_on_cuda(monkeypatch):
     monkeypatch.delenv("FLASHTRITON_BACKEND", raising=False)
-    assert ops.select_backend(torch.device("cuda"), torch.bfloat16) is triton_backend
+    assert _family("cuda", torch.bfloat16) in (route.HOPPER, route.PORTABLE)
     # fp32 goes to the PyTorch path: the kernels' approximate exp2 would cost fp32 accuracy
-    assert ops.select_backend(torch.device("cuda"), torch.float32) is torch_backend
+    assert _family("cuda", torch.float32) == route.TORCH
 
 
 def test_unknown_backend(monkeypatch):
     monkeypatch.setenv("FLASHTRITON_BACKEND", "cuda")
     with pytest.raises(ValueError, match="one of auto, triton, torch"):
-        ops.select_backend(torch.device("cpu"), torch.float32)
+        _family("cpu", torch.float32)
 
 
 def test_triton_on_cpu_needs_interpreter(monkeypatch):
     monkeypatch.setenv("FLASHTRITON_BACKEND", "triton")
-    monkeypatch.setattr(triton_backend, "interpreting", lambda: False)
+    monkeypatch.setattr(route, "interpreting", lambda: False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        ops.select_backend(torch.device("cpu"), torch.float32)
+        _family("cpu", torch.float32)
 
 
 def test_tma_view_only_for_layouts_the_copy_engine_can_read():
@@ -65,7 +70,7 @@ def test_hopper_scope():
     kv = torch.zeros(2, 256, 2, 64, dtype=torch.bfloat16)
 
     def fits(q=q, k=kv, **params):
-        return triton_backend._hopper_fits(AttentionParams(0.125, **params), 128, q, k, k)
+        return route.hopper_fits(AttentionParams(0.125, **params), 128, q, k, k)
 
     assert fits() and fits(window_right=0)
     assert not fits(softcap=5.0) and not fits(dropout_p=0.1)

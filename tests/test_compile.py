@@ -1,53 +1,171 @@
-"""torch.compile(fullgraph=True) traces through the custom op: no graph break, same numbers."""
+"""torch.compile(fullgraph=True) traces every feature through the custom ops: no graph break, the eager numbers.
+
+CPU targets trace with aot_eager (inductor on CPU needs a C++ toolchain and minutes; aot_eager traces the same
+graph), the GPU with inductor.
+"""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from flashtriton import flash_attn_func
+import flashtriton as ft
+from flashtriton import ops, schema
+from flashtriton.params import AttentionParams
 from helpers import TARGETS
 
 
-class Block(torch.nn.Module):
-    def __init__(self, dim=64, heads=4, heads_k=2):
-        super().__init__()
-        self.heads, self.heads_k, self.head_dim = heads, heads_k, dim // heads
-        self.q = torch.nn.Linear(dim, dim)
-        self.kv = torch.nn.Linear(dim, 2 * heads_k * self.head_dim)
-        self.o = torch.nn.Linear(dim, dim)
+@triton.jit
+def _distance_bias(score, b, h, q_idx, kv_idx):
+    return score - 0.05 * (q_idx - kv_idx).to(tl.float32)
 
-    def forward(self, x):
-        b, n, _ = x.shape
-        q = self.q(x).view(b, n, self.heads, self.head_dim)
-        k, v = self.kv(x).view(b, n, 2, self.heads_k, self.head_dim).unbind(2)
-        return self.o(flash_attn_func(q, k, v, causal=True).reshape(b, n, -1))
+
+@triton.jit
+def _unit_grad(score, b, h, q_idx, kv_idx):
+    return 1.0
+
+
+def _inputs(device, n=37, heads=4, heads_k=2, dim=16, batch=2):
+    q = torch.randn(batch, n, heads, dim, device=device, requires_grad=True)
+    k, v = (torch.randn(batch, n, heads_k, dim, device=device, requires_grad=True) for _ in range(2))
+    return q, k, v
+
+
+def _cu_seqlens(device):
+    return torch.tensor([0, 5, 37, 74], dtype=torch.int32, device=device)
+
+
+def _packed(device):
+    cu = _cu_seqlens(device)
+    q, k, v = (x.detach().reshape(-1, *x.shape[2:]).requires_grad_() for x in _inputs(device))
+    return q, k, v, cu
+
+
+def _case(name, device):
+    """(loss function of the inputs, the inputs) for one feature."""
+    q, k, v = _inputs(device)
+    dense = (q, k, v)
+    if name == "causal-gqa":
+        return lambda q, k, v: ft.flash_attn_func(q, k, v, causal=True), dense
+    if name == "window-softcap-alibi":
+        slopes = torch.rand(4, device=device)
+        return lambda q, k, v: ft.flash_attn_func(
+            q, k, v, window_size=(7, 3), softcap=5.0, alibi_slopes=slopes, softmax_scale=0.3
+        ), dense
+    if name == "dropout":
+        return lambda q, k, v: ft.flash_attn_func(q, k, v, dropout_p=0.2), dense
+    if name == "lse-loss":
+        return lambda q, k, v: ft.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)[1], dense
+    if name == "score_mod":
+        mod = ft.Mod(_distance_bias, grad=_unit_grad)
+        return lambda q, k, v: ft.flash_attn_func(q, k, v, score_mod=mod), dense
+    if name == "mask_mod":
+        mask = ft.and_masks(ft.causal_mask(), ft.sliding_window_mask(9))  # mods are made outside a traced function
+        return lambda q, k, v: ft.flash_attn_func(q, k, v, mask_mod=mask), dense
+    if name == "block_mask":
+        block_mask = ft.create_block_mask(ft.causal_mask(), None, None, 37, 37, device=device, block_size=16)
+        return lambda q, k, v: ft.flash_attn_func(q, k, v, block_mask=block_mask), dense
+    if name == "qkvpacked":
+        qkv = torch.randn(2, 37, 3, 4, 16, device=device, requires_grad=True)
+        return lambda qkv: ft.flash_attn_qkvpacked_func(qkv, causal=True), (qkv,)
+    if name == "kvpacked":
+        kv = torch.randn(2, 37, 2, 2, 16, device=device, requires_grad=True)
+        return lambda q, kv: ft.flash_attn_kvpacked_func(q, kv, window_size=(5, -1)), (q, kv)
+    q, k, v, cu = _packed(device)
+    if name == "varlen":
+        return lambda q, k, v: ft.flash_attn_varlen_func(q, k, v, cu, cu, 37, 37, causal=True, softcap=3.0), (q, k, v)
+    if name == "varlen-qkvpacked":
+        qkv = torch.randn(74, 3, 4, 16, device=device, requires_grad=True)
+        return lambda qkv: ft.flash_attn_varlen_qkvpacked_func(qkv, cu, 37, causal=True), (qkv,)
+    if name == "varlen-kvpacked":
+        kv = torch.randn(74, 2, 2, 16, device=device, requires_grad=True)
+        return lambda q, kv: ft.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 37, 37, window_size=(4, 4)), (q, kv)
+    raise ValueError(name)
+
+
+FEATURES = [
+    "causal-gqa", "window-softcap-alibi", "dropout", "lse-loss", "score_mod", "mask_mod", "block_mask", "qkvpacked",
+    "kvpacked", "varlen", "varlen-qkvpacked", "varlen-kvpacked",
+]  # fmt: skip
+# The interpreter runs a kernel in seconds: one traced case per kernel feature family there.
+INTERPRETER_FEATURES = {"window-softcap-alibi", "score_mod", "varlen", "dropout"}
+
+
+def _compiler(device: str) -> str:
+    return "inductor" if device == "cuda" else "aot_eager"
+
+
+def _params():
+    return [
+        pytest.param(target, name, id=f"{target}-{name}")
+        for target in TARGETS
+        for name in FEATURES
+        if target.name != "cpu-interp" or name in INTERPRETER_FEATURES
+    ]
+
+
+@pytest.mark.parametrize(("backend", "feature"), _params(), indirect=["backend"])
+def test_fullgraph_matches_eager(backend, feature):
+    torch._dynamo.reset()
+    loss_of, inputs = _case(feature, backend.device)
+
+    def step(*inputs):
+        return loss_of(*inputs).float().square().sum()
+
+    torch.manual_seed(1)  # the dropout seed is drawn from torch's generator, in the graph and eagerly alike
+    eager = step(*inputs)
+    grads_eager = torch.autograd.grad(eager, inputs)
+    torch.manual_seed(1)
+    compiled = torch.compile(step, fullgraph=True, backend=_compiler(backend.device))(*inputs)
+    grads = torch.autograd.grad(compiled, inputs)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    for grad, grad_eager in zip(grads, grads_eager, strict=True):
+        assert grad.isfinite().all()
+        torch.testing.assert_close(grad, grad_eager, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("backend", TARGETS, ids=str, indirect=True)
-def test_fullgraph_compile_matches_eager(backend):
+def test_traced_inference_call_writes_no_lse(backend, monkeypatch):
+    """Without a gradient and without return_attn_probs, the traced op asks its kernels for no LSE."""
     torch._dynamo.reset()
-    model = Block().to(backend.device)
-    x = torch.randn(2, 37, 64, device=backend.device, requires_grad=True)
-    eager = model(x)
-    (grad_eager,) = torch.autograd.grad(eager.sum(), x)
-    # Inductor on CPU needs a C++ toolchain and minutes; aot_eager traces the same graph.
-    compiler = "inductor" if backend.device == "cuda" else "aot_eager"
-    compiled = torch.compile(model, fullgraph=True, backend=compiler)
-    out = compiled(x)
-    (grad,) = torch.autograd.grad(out.sum(), x)
-    torch.testing.assert_close(out, eager)
-    torch.testing.assert_close(grad, grad_eager)
+    seen = []
+    forward = ops.forward
+    monkeypatch.setattr(ops, "forward", lambda q, k, v, p: seen.append(p.write_lse) or forward(q, k, v, p))
+    q, k, v = (x.detach() for x in _inputs(backend.device))
+    step = torch.compile(lambda q, k, v: ft.flash_attn_func(q, k, v, causal=True), fullgraph=True,
+                         backend=_compiler(backend.device))  # fmt: skip
+    with torch.no_grad():
+        out = step(q, k, v)
+    torch.testing.assert_close(out, ft.flash_attn_func(q, k, v, causal=True))
+    assert seen and not any(seen)
+
+
+@pytest.mark.parametrize("backend", TARGETS, ids=str, indirect=True)
+def test_one_schema_field_end_to_end(backend):
+    """A field of AttentionParams reaches the kernels through the op's schema: empty_lse, the LSE of a row that
+    sees no key (+inf for flash_attn's final result, -inf for a partial one that a merge combines)."""
+    dtype = torch.bfloat16 if backend.device == "cuda" else torch.float32
+    q, k, v = (torch.randn(1, 6, 2, 16, device=backend.device, dtype=dtype) for _ in range(3))
+    k, v = k[:, :3], v[:, :3]
+    params = AttentionParams(0.25, window_right=0, empty_lse=float("-inf"))  # causal, bottom-right aligned
+    assert "float empty_lse" in schema.SIGNATURE
+    assert schema.from_schema(schema.to_schema(params)) == params
+    out, lse = torch.ops.flashtriton.attention_forward(q, k, v, *schema.to_schema(params))
+    empty = (
+        torch.arange(6, device=backend.device) + k.shape[1] - q.shape[1] < 0
+    )  # query i sees keys j <= i - 3: rows 0..2 see none
+    assert empty.sum() == 3
+    assert torch.isneginf(lse[:, :, empty]).all() and lse[:, :, ~empty].isfinite().all()
+    assert (out[:, empty] == 0).all()
 
 
 def test_opcheck():
     """torch.library's own consistency checks of the fake, autograd and schema registrations."""
     q, k, v = (torch.randn(1, 9, 2, 16, requires_grad=True) for _ in range(3))
-    slopes = torch.rand(1, 2)
-    seed = torch.tensor([1234])
-    no_masks = ([], [], "", [], "", [])  # block-mask lists and shape, mask_mod, score_mod
-    # cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window (left, right), softcap, alibi, dropout
-    args = (None, None, 0, 0, 0.25, 3, 0, 5.0, slopes, 0.1, seed, *no_masks, False)
-    torch.library.opcheck(torch.ops.flashtriton.attention_forward.default, (q, k, v, *args))
+    dense = AttentionParams(0.25, window_left=3, window_right=0, softcap=5.0, alibi_slopes=torch.rand(1, 2),
+                            dropout_p=0.1, dropout_seed=torch.tensor([1234]))  # fmt: skip
+    torch.library.opcheck(torch.ops.flashtriton.attention_forward.default, (q, k, v, *schema.to_schema(dense)))
     cu_seqlens = torch.tensor([0, 4, 9], dtype=torch.int32)
     packed = [x[0].detach().requires_grad_() for x in (q, k, v)]
-    varlen = (cu_seqlens, cu_seqlens, 5, 5, 0.25, -1, 0, 0.0, None, 0.0, None, *no_masks, False)
-    torch.library.opcheck(torch.ops.flashtriton.attention_forward.default, (*packed, *varlen))
+    varlen = AttentionParams(0.25, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=5, max_seqlen_k=5)
+    torch.library.opcheck(torch.ops.flashtriton.attention_forward.default, (*packed, *schema.to_schema(varlen)))

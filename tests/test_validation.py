@@ -1,13 +1,14 @@
 """Bad input gets a ValueError/TypeError naming the fix, before anything is launched; features
 that do not exist yet say so instead of being ignored."""
 
+import functools
 from itertools import accumulate
 
 import pytest
 import torch
 
 import flashtriton
-from flashtriton import flash_attn_func, ops, validation
+from flashtriton import flash_attn_func, route, validation
 
 
 def qkv(q_shape=(1, 8, 4, 16), kv_shape=(1, 8, 2, 16), dtype=torch.float32):
@@ -21,7 +22,7 @@ def no_launch(monkeypatch):
     def launched(*args, **kwargs):
         raise AssertionError("a backend was called for invalid input")
 
-    monkeypatch.setattr(ops, "select_backend", launched)
+    monkeypatch.setattr(route, "forward", launched)
 
 
 CASES = {
@@ -116,13 +117,14 @@ def test_bad_varlen_input_raises_clear_error(name):
 
 def test_reused_cu_seqlens_are_rechecked_after_an_in_place_write():
     """cu_seqlens are read to the host once per tensor and version: a write in place must not go unseen."""
-    args = varlen()
-    validation.check_varlen(*args)  # valid: now cached
-    args[4][2] = 3  # cu_seqlens_k [0, 4, 3, 11]
+    q, k, _, cu_q, cu_k, max_q, max_k = varlen()
+    check = functools.partial(validation.check_cu_seqlens, cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+    check()  # valid: now cached
+    cu_k[2] = 3  # cu_seqlens_k [0, 4, 3, 11]
     with pytest.raises(ValueError, match=r"cu_seqlens_k\[1\] = 4 > cu_seqlens_k\[2\] = 3"):
-        validation.check_varlen(*args)
-    args[4][1:][1] = 6  # through a view of the same storage: valid again
-    validation.check_varlen(*args)
+        check()
+    cu_k[1:][1] = 6  # through a view of the same storage: valid again
+    check()
 
 
 def test_varlen_options_are_checked():

@@ -415,5 +415,11 @@ def create_block_mask(
         device = mod.tensors[0].device if mod.tensors else "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     mod = mod.to(device)
+    if torch.compiler.is_compiling():
+        # the mask's values cannot steer a trace: every tile is partial (exact, no tile skipped); a BlockMask made
+        # outside the compiled function keeps its skipping
+        shape = (bm, hm, triton.cdiv(seqlen_q, block_size[0]), triton.cdiv(seqlen_k, block_size[1]))
+        every_tile = torch.ones(shape, dtype=torch.bool, device=device)
+        return _from_tiles(every_tile, None, seqlen_q, seqlen_k, block_size, mod)
     partial, full = _classify_tiles(mod, bm, hm, seqlen_q, seqlen_k, block_size, device)
     return _from_tiles(partial, full if bool(full.any()) else None, seqlen_q, seqlen_k, block_size, mod)

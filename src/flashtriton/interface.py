@@ -95,8 +95,11 @@ def flash_attn_func(
     """
     check_qkv(q, k, v)
     masks = _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window_size, alibi_slopes)
-    params = _params(q, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, q.shape[0], **masks)
-    return _attention(q, k, v, params, deterministic, return_attn_probs)
+    params = _params(
+        q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic,
+        return_attn_probs, q.shape[0], **masks,
+    )  # fmt: skip
+    return _attention(q, k, v, params, return_attn_probs)
 
 
 def _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window_size, alibi_slopes) -> dict:
@@ -125,7 +128,10 @@ def _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window_size, alibi_
     return masks
 
 
-def _params(q, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, batch, **extra) -> AttentionParams:
+def _params(
+    q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic, return_attn_probs,
+    batch, **extra,
+) -> AttentionParams:  # fmt: skip
     """Validated user options as the AttentionParams every backend takes."""
     left, right = check_window(window_size)
     check_softcap(softcap)
@@ -133,22 +139,25 @@ def _params(q, softmax_scale, causal, window_size, softcap, alibi_slopes, dropou
     if causal:
         right = 0  # flash_attn's rule: causal is the window's right edge at the diagonal
     slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, batch, q.shape[-2], q.device)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     return AttentionParams(
         softmax_scale=resolve_softmax_scale(softmax_scale, q.shape[-1]), window_left=left, window_right=right,
-        softcap=float(softcap), alibi_slopes=slopes, dropout_p=float(dropout_p), **extra,
+        softcap=float(softcap), alibi_slopes=slopes, dropout_p=float(dropout_p),
+        dropout_seed=dropout.draw_seed() if dropout_p > 0 else None, deterministic=bool(deterministic),
+        write_lse=bool(return_attn_probs) or needs_grad,  # an inference call writes no LSE, as SDPA's asks for none
+        **extra,
     )  # fmt: skip
 
 
-def _attention(q, k, v, params: AttentionParams, deterministic: bool, return_attn_probs: bool) -> _Result:
+def _attention(q, k, v, params: AttentionParams, return_attn_probs: bool) -> _Result:
     q, k, v = _autocast(q, k, v)
-    seed = dropout.draw_seed() if params.dropout_p > 0 else None
-    out, lse = ops.attention(q, k, v, params, seed, bool(deterministic), with_lse=return_attn_probs)
+    out, lse = ops.attention(q, k, v, params)
     if not return_attn_probs:
         return out
-    return out, lse, _dropped_probs(q, k, v, params, int(seed)) if seed is not None else None
+    return out, lse, _dropped_probs(q, k, v, params) if params.dropout_p > 0 else None
 
 
-def _dropped_probs(q, k, v, params: AttentionParams, seed: int) -> torch.Tensor:
+def _dropped_probs(q, k, v, params: AttentionParams) -> torch.Tensor:
     """flash_attn's S_dmask: probabilities (batch, nheads, seqlen_q, seqlen_k), dropped entries negated.
 
     Materialised through the reference (attention against V = identity returns P itself); varlen
@@ -175,7 +184,7 @@ def _dropped_probs(q, k, v, params: AttentionParams, seed: int) -> torch.Tensor:
         p_b, _ = attention_reference(q_b, k_b, eye, alibi_slopes=slopes, **options)
         i, j = torch.arange(n_q, device=q.device)[:, None], torch.arange(n_k, device=q.device)[None, :]
         h = torch.arange(heads, device=q.device)[:, None, None]
-        kept = dropout.keep(seed, b, h, i, j, params.dropout_p)
+        kept = dropout.keep(params.seed, b, h, i, j, params.dropout_p)
         p_b = p_b[0].transpose(0, 1)  # (heads, n_q, n_k)
         probs[b, :, :n_q, :n_k] = torch.where(kept, p_b, -p_b)
     return probs
@@ -262,8 +271,11 @@ def flash_attn_varlen_func(
         max_seqlen_k=int(max_seqlen_k),
     )  # fmt: skip
     batch = cu_seqlens_q.shape[0] - 1
-    params = _params(q, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, batch, **varlen)
-    return _attention(q, k, v, params, deterministic, return_attn_probs)
+    params = _params(
+        q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic,
+        return_attn_probs, batch, **varlen,
+    )  # fmt: skip
+    return _attention(q, k, v, params, return_attn_probs)
 
 
 def flash_attn_varlen_qkvpacked_func(

@@ -1,8 +1,8 @@
 """What one attention call computes beyond q, k, v: the options every backend honours.
 
-The public API validates user arguments and builds one ``AttentionParams``; the custom ops carry
-it as flat schema arguments and rebuild it; each backend's ``forward(q, k, v, params)`` and
-``backward(dout, dlse, q, k, v, out, lse, params)`` implement all of it.
+The public API validates user arguments and builds one ``AttentionParams``; ``schema.py`` carries it through the
+custom ops; ``route.py`` reads its derived flags to choose the kernels; each backend's
+``forward(q, k, v, params, route)`` and ``backward(dout, dlse, q, k, v, out, lse, params, route)`` implement all of it.
 
 Semantics (per sequence; ``offset = seqlen_k - seqlen_q`` of that sequence, so masks are aligned
 bottom-right as in flash_attn):
@@ -19,11 +19,16 @@ bottom-right as in flash_attn):
   block_mask  (dense only, no window) query tile m visits only the key tiles the BlockMask lists for
               it; on its partial tiles, only the scores its mask_mod accepts exist
   score_mod   a user function of the score (mods.py), applied last; its Mod.grad gives the backward
+  lse         natural log, fp32; a row that sees no key has O = 0 and LSE = empty_lse: +inf for a final result
+              (flash_attn's: the backward's exp(S - LSE) is then 0), -inf for a partial one that a split-KV or ring
+              merge combines by log-sum-exp (an empty part then weighs nothing)
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -33,13 +38,15 @@ NO_BOUND = -1
 
 @dataclass(frozen=True)
 class AttentionParams:
+    """One call's options. Each field is one custom-op schema argument (schema.py), or a few for a composite."""
+
     softmax_scale: float
     window_left: int = NO_BOUND
     window_right: int = NO_BOUND
     softcap: float = 0.0
     alibi_slopes: torch.Tensor | None = None  # (batch, nheads) fp32, contiguous
     dropout_p: float = 0.0
-    dropout_seed: int = 0
+    dropout_seed: torch.Tensor | None = None  # (1,) int64 CPU tensor: a compiled graph takes a new one each call
     cu_seqlens_q: torch.Tensor | None = None  # (batch + 1,) int32
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
@@ -47,21 +54,70 @@ class AttentionParams:
     block_mask: Any = None  # block_mask.BlockMask: visit only its tiles, its mask_mod on partial ones
     score_mod: Any = None  # mods.Mod: score = score_mod(score, b, h, i, j, *tensors), after softcap and ALiBi
     deterministic: bool = False  # backward: bitwise reproducible (no atomic sums), where that costs speed
+    write_lse: bool = True  # False: an inference call, whose kernels write no LSE (the op returns an empty one)
+    empty_lse: float = math.inf  # the LSE of a row that sees no key (module docstring)
 
-    @property
+    # Derived flags, each decided here once (cached_property writes the instance dict: frozen fields stay frozen).
+
+    @cached_property
     def varlen(self) -> bool:
         return self.cu_seqlens_q is not None
 
-    @property
+    @cached_property
     def windowed(self) -> bool:
         """Some key is out of sight for some query (causal included)."""
         return self.window_left != NO_BOUND or self.window_right != NO_BOUND
 
-    @property
+    @cached_property
     def causal(self) -> bool:
+        """Exactly causal: the diagonal bounds the right side, nothing the left."""
         return self.window_left == NO_BOUND and self.window_right == 0
+
+    @cached_property
+    def diagonal(self) -> bool:
+        """The right bound is the diagonal: causal, or a causal sliding window."""
+        return self.window_right == 0
+
+    @cached_property
+    def right_only(self) -> bool:
+        """Bounded on the right only (causal, or causal shifted): a query row sees a prefix of the keys."""
+        return self.window_left == NO_BOUND and self.window_right != NO_BOUND
+
+    @cached_property
+    def left_bounded(self) -> bool:
+        return self.window_left != NO_BOUND
+
+    @cached_property
+    def plain(self) -> bool:
+        """No softcap, ALiBi, dropout or score_mod: the scores are scale * q.k."""
+        return not (self.softcap > 0 or self.alibi_slopes is not None or self.dropout_p > 0 or self.score_mod)
+
+    @cached_property
+    def sparse(self) -> bool:
+        return self.block_mask is not None
+
+    @cached_property
+    def seed(self) -> int:
+        """The dropout seed as the kernels take it (0 without dropout)."""
+        return int(self.dropout_seed.item()) if self.dropout_seed is not None else 0
+
+    def span(self, n_q: int, n_k: int) -> int:
+        """About how many keys a query row sees: a BlockMask's mean listed keys; the window's width when bounded on
+        both sides; half the keys under a right-only bound (rows aligned bottom-right); else all n_k."""
+        if self.block_mask is not None:
+            return self.block_mask.mean_span()
+        if self.window_right == NO_BOUND:
+            return n_k
+        if self.window_left == NO_BOUND:
+            return n_k - min(n_q, n_k) // 2
+        return min(n_k, self.window_left + self.window_right + 1)
 
 
 def lse_shape(q: torch.Tensor, varlen: bool) -> tuple[int, ...]:
     """Dense q (batch, seqlen_q, nheads, headdim): (batch, nheads, seqlen_q); varlen q: (nheads, total_q)."""
     return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def final_lse(lse: torch.Tensor, p: AttentionParams) -> torch.Tensor:
+    """The LSE as the backwards read it: an empty row's is +inf (exp(S - LSE) = 0), whatever p.empty_lse."""
+    return lse if p.empty_lse == math.inf else torch.where(lse == p.empty_lse, math.inf, lse)

@@ -26,7 +26,8 @@ import torch
 from . import dropout
 from .kernels.config import TORCH_BLOCK_M, TORCH_BLOCK_N
 from .mods import evaluate_score, evaluate_score_grad
-from .params import NO_BOUND, AttentionParams
+from .params import NO_BOUND, AttentionParams, final_lse
+from .route import Route
 
 PHILOX_CHUNK = 1 << 16  # dropout mask elements drawn at once (see _dropout_scale)
 
@@ -167,7 +168,7 @@ def _dropout_scale(rows: _Rows, n0: int, n1: int, params: AttentionParams) -> to
     for r0 in range(0, rows_per_head, step):
         r = slice(r0, r0 + step)
         keep[:, :, r] = dropout.keep(
-            params.dropout_seed, rows.batch, rows.head[:, :, r], rows.query[:, :, r], keys, params.dropout_p
+            params.seed, rows.batch, rows.head[:, :, r], rows.query[:, :, r], keys, params.dropout_p
         )
     return keep / (1.0 - params.dropout_p)
 
@@ -179,14 +180,14 @@ def _sequences(params: AttentionParams) -> list[tuple[slice, slice]]:
 
 
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams, with_lse: bool = True
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams, route: Route
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """out (shaped as q, its dtype) and the natural-log LSE in fp32 (None without ``with_lse``: the blockwise
+    """out (shaped as q, its dtype) and the natural-log LSE in fp32 (None unless params.write_lse: the blockwise
     softmax computes it all the same, so it is only dropped).
 
     Dense: q (batch, seqlen_q, nheads, headdim), k, v (batch, seqlen_k, nheads_k, headdim),
     lse (batch, nheads, seqlen_q). Varlen: q (total_q, nheads, headdim), k, v (total_k, nheads_k,
-    headdim), lse (nheads, total_q). Rows that see no key: out 0, lse +inf.
+    headdim), lse (nheads, total_q). Rows that see no key: out 0, lse params.empty_lse.
     """
     if not params.varlen:
         out, lse = _forward(q, k, v, params, first_batch=0)
@@ -196,7 +197,7 @@ def forward(
         for b, (rows_q, rows_k) in enumerate(_sequences(params)):
             out_b, lse_b = _forward(q[None, rows_q], k[None, rows_k], v[None, rows_k], params, first_batch=b)
             out[rows_q], lse[:, rows_q] = out_b[0], lse_b[0]
-    return out, lse if with_lse else None
+    return out, lse if params.write_lse else None
 
 
 def _forward(q, k, v, params: AttentionParams, first_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,7 +229,7 @@ def _forward(q, k, v, params: AttentionParams, first_batch: int) -> tuple[torch.
             row_max = new_max
         empty = row_sum == 0
         out[:, m0:m1] = _ungroup_rows(acc / torch.where(empty, 1.0, row_sum)[..., None], m1 - m0)
-        tile_lse = torch.where(empty, float("inf"), row_max + torch.log(row_sum))
+        tile_lse = torch.where(empty, params.empty_lse, row_max + torch.log(row_sum))
         lse[:, :, m0:m1] = tile_lse.view(batch, heads, m1 - m0)
     return out, lse
 
@@ -242,12 +243,14 @@ def backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     params: AttentionParams,
+    route: Route,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (shaped and typed as q, k, v) by recomputation from q, k, v and the forward's lse.
 
     dout, out: shaped as q; dlse, lse: as forward's lse (dense (batch, nheads, seqlen_q), varlen
     (nheads, total_q)). Rows that see no key (lse = +inf) contribute nothing.
     """
+    lse = final_lse(lse, params)
     if not params.varlen:
         return _backward(dout, dlse, q, k, v, out, lse, params, first_batch=0)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)

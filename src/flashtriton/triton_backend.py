@@ -11,11 +11,10 @@ import functools
 import math
 
 import torch
-from triton import knobs
 from triton.experimental.gluon import language as gl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import autotune, dropout, schedule
+from . import autotune, dropout, route, schedule
 from .block_mask import BlockMask
 from .kernels import config, hopper
 from .kernels.backward import (
@@ -26,15 +25,9 @@ from .kernels.backward import (
 )
 from .kernels.forward import attention_forward_kernel
 from .launch import Descriptor, Launcher, Plan, Recorder, hooked
-from .params import NO_BOUND, AttentionParams, lse_shape
-from .validation import host_read_cached
+from .params import NO_BOUND, AttentionParams, final_lse, lse_shape
 
 LOG2E = 1.0 / math.log(2.0)
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return bool(knobs.runtime.interpret)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -44,11 +37,6 @@ def _cdiv(a: int, b: int) -> int:
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs get true fp32 products (not tf32): the user asked for fp32 accuracy.
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _interpreter_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Triton 3.6's interpreter computes bf16 tl.dot wrongly (errors ~1e10); run it in fp32 there.
-    return torch.float32 if interpreting() and dtype == torch.bfloat16 else dtype
 
 
 def _strides(x: torch.Tensor, varlen: bool = False) -> tuple[int, int, int]:
@@ -72,28 +60,11 @@ def _user_view(x: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.
     return x if x.dtype == dtype and x.dim() == len(shape) else x.view(shape).to(dtype)
 
 
-def _tma_fits(x: torch.Tensor, block_d: int) -> bool:
-    """A (B, N, H, D) tensor can be read as the 2D (B * N, H * D) view in TMA tiles of [rows, block_d]:
-    D a power of two (a tile's columns are exactly one head), heads packed, batches back to back, base
-    and row stride 16-byte aligned, fewer than 2**31 rows."""
-    batch, n, heads, d = x.shape
-    row = x.stride(1)
-    return (
-        d == block_d
-        and x.stride(2) == d
-        and row >= heads * d
-        and (batch == 1 or x.stride(0) == n * row)
-        and row * x.element_size() % 16 == 0
-        and x.data_ptr() % 16 == 0
-        and batch * n < 2**31  # TMA coordinates are int32
-    )
-
-
 def _tma_view(x: torch.Tensor, block_rows: int, block_d: int, enabled: bool) -> TensorDescriptor | None:
     """The (B * N, H * D) view of a (B, N, H, D) tensor whose whole in-bounds tiles the Triton kernels
     load through TMA (common.load_block), or None for pointer loads: when the config does not use TMA,
     or the layout does not fit (_tma_fits)."""
-    if not (enabled and _tma_fits(x, block_d)):
+    if not (enabled and route.tma_fits(x, block_d)):
         return None
     batch, n, heads, d = x.shape
     return TensorDescriptor(x, [batch * n, heads * d], [x.stride(1), 1], [block_rows, block_d])
@@ -133,44 +104,14 @@ def _gluon_rows(x: torch.Tensor, rows: int) -> Descriptor:
     return Descriptor(x, (x.numel(),), (1,), (rows,), _ROWS_LAYOUT)
 
 
-def _plain(p: AttentionParams) -> bool:
-    """No softcap, ALiBi, dropout or score_mod."""
-    return not (p.softcap > 0 or p.alibi_slopes is not None or p.dropout_p > 0 or p.score_mod is not None)
-
-
-def _whole_sequences(p: AttentionParams, n: int, tile: int) -> bool:
-    """Every sequence is self-attention of a whole number of tiles: n rows each or, varlen, the same
-    cu_seqlens for queries and keys, as the API's validation read them to the host (never a new read)."""
-    if not p.varlen:
-        return n % tile == 0
-    found_q, starts_q = host_read_cached(p.cu_seqlens_q, "values")
-    found_k, starts_k = host_read_cached(p.cu_seqlens_k, "values")
-    return found_q and found_k and starts_q == starts_k and all(start % tile == 0 for start in starts_q)
-
-
-def _hopper_fits(p: AttentionParams, tile: int, *tensors: torch.Tensor) -> bool:
-    """The Gluon kernels' scope (kernels/hopper.py): plain dense, causal or causal sliding-window
-    self-attention whose sequences are whole numbers of ``tile`` rows, in layouts TMA reads (tensors:
-    q, k, v and any more)."""
-    n = tensors[0].shape[1]
-    return (
-        _plain(p)
-        and p.block_mask is None
-        and (p.window_right == 0 or (p.window_right == NO_BOUND and p.window_left == NO_BOUND))
-        and all(x.shape[1] == n and _tma_fits(x, x.shape[-1]) for x in tensors)
-        and math.prod(tensors[0].shape[:3]) < 2**31  # LSE entries: the kernels' offsets into it are 32-bit
-        and _whole_sequences(p, n, tile)
-    )
-
-
 def _hopper_common(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, p: AttentionParams) -> tuple[int, int, dict]:
     """(batch, longest sequence, the arguments every Gluon kernel takes)."""
-    batch, n, _ = _lengths(q, k, p)
+    batch, n, _ = route.lengths(q, k, p)
     stride_lb, stride_lh = _lse_strides(lse, p.varlen)
     return batch, n, dict(
         stride_lb=stride_lb, stride_lh=stride_lh, N=n, H=q.shape[2], GROUP=q.shape[2] // k.shape[2],
         qk_scale=p.softmax_scale * LOG2E, window_left=max(p.window_left, 0), CU_SEQLENS=p.cu_seqlens_q,
-        CAUSAL=p.window_right == 0, LEFT=p.window_left != NO_BOUND, VARLEN=p.varlen, D=q.shape[3], num_warps=4,
+        CAUSAL=p.diagonal, LEFT=p.left_bounded, VARLEN=p.varlen, D=q.shape[3], num_warps=4,
     )  # fmt: skip
 
 
@@ -192,7 +133,7 @@ def _plan_key(kind: str, p: AttentionParams, *tensors: torch.Tensor) -> tuple | 
     alignment, which arguments are one tensor, the device, the options), for the calls a Plan may replay: dense
     CUDA tensors with the features the Gluon kernels take and no launch hook. None for any other call."""
     q = tensors[0]
-    if q.device.type != "cuda" or p.varlen or not _plain(p) or p.block_mask is not None or hooked() or interpreting():
+    if q.device.type != "cuda" or p.varlen or not p.plain or p.sparse or hooked() or route.interpreting():
         return None
     layout = tuple((x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0) for x in tensors)
     ids = [id(x) for x in tensors]
@@ -317,12 +258,12 @@ def _features(p: AttentionParams) -> tuple[dict, dict]:
         CU_SEQLENS_Q=p.cu_seqlens_q, CU_SEQLENS_K=p.cu_seqlens_k, ALIBI_SLOPES=p.alibi_slopes,
         softcap=p.softmax_scale / p.softcap if p.softcap > 0 else 0.0,
         window_left=max(p.window_left, 0), window_right=max(p.window_right, 0),
-        seed=p.dropout_seed, threshold=dropout.threshold(p.dropout_p), dropout_scale=1.0 / (1.0 - p.dropout_p),
+        seed=p.seed, threshold=dropout.threshold(p.dropout_p), dropout_scale=1.0 / (1.0 - p.dropout_p),
         MASK_TENSORS=(), SCORE_TENSORS=tuple(p.score_mod.tensors) if p.score_mod else (),
     )  # fmt: skip
     flags = dict(
-        LEFT=p.window_left != NO_BOUND, RIGHT=p.window_right != NO_BOUND, SOFTCAP=p.softcap > 0,
-        ALIBI=p.alibi_slopes is not None, DROPOUT=p.dropout_p > 0, VARLEN=p.varlen, SPARSE=p.block_mask is not None,
+        LEFT=p.left_bounded, RIGHT=p.window_right != NO_BOUND, SOFTCAP=p.softcap > 0,
+        ALIBI=p.alibi_slopes is not None, DROPOUT=p.dropout_p > 0, VARLEN=p.varlen, SPARSE=p.sparse,
         SPARSE_BLOCK_M=1, SPARSE_BLOCK_N=1, MASK_MOD=None, SCORE_MOD=p.score_mod.fn if p.score_mod else None,
     )  # fmt: skip
     mask = p.block_mask
@@ -368,19 +309,6 @@ def _sparse_block(size: int, mask: BlockMask | None, axis: int) -> int:
     return size if mask is None else mask.block_size[axis]
 
 
-def _span(p: AttentionParams, n_q: int, n_k: int) -> int:
-    """About how many keys a query row sees: a BlockMask's mean listed keys; the window's width when
-    bounded on both sides; half the keys under a causal-like bound (right only, rows aligned
-    bottom-right); else all n_k."""
-    if p.block_mask is not None:
-        return p.block_mask.mean_span()
-    if p.window_right == NO_BOUND:
-        return n_k
-    if p.window_left == NO_BOUND:
-        return n_k - min(n_q, n_k) // 2
-    return min(n_k, p.window_left + p.window_right + 1)
-
-
 def _tuning_key(p: AttentionParams, head_dim: int, dtype: torch.dtype, span: int, with_lse: bool) -> tuple:
     """What a tuned config is chosen for beside the kernel family and the GPU (autotune.choose): the head dim, the
     dtype, the span's bucket, the features on, and whether the LSE is written (an inference call's kernel writes
@@ -389,13 +317,6 @@ def _tuning_key(p: AttentionParams, head_dim: int, dtype: torch.dtype, span: int
     features = tuple(name for name, on in sorted(flags.items()) if on and not name.startswith("SPARSE_BLOCK"))
     written = () if with_lse else ("no lse",)
     return head_dim, str(dtype).removeprefix("torch."), autotune.span_bucket(span), *features, *written
-
-
-def _lengths(q: torch.Tensor, k: torch.Tensor, p: AttentionParams) -> tuple[int, int, int]:
-    """batch and the (longest) query / key lengths of (B, N, H, D) tensors, or of a varlen batch."""
-    if p.varlen:
-        return p.cu_seqlens_q.shape[0] - 1, p.max_seqlen_q, p.max_seqlen_k
-    return q.shape[0], q.shape[1], k.shape[1]
 
 
 def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams, cfg: config.HopperBackwardConfig):
@@ -437,48 +358,43 @@ def _hopper_dq(q, k, v, out, dout, lse, dlse, delta, dq, p: AttentionParams, cfg
 
 
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams, with_lse: bool = True
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams, r: route.Route
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """O and the natural-log LSE in fp32 (params.py has the layouts), via the fused forward kernel; without
-    ``with_lse`` the kernel writes no LSE and None stands for it."""
-    key = _plan_key("forward" if with_lse else "forward without lse", p, q, k, v)
+    """O and the natural-log LSE in fp32 (params.py has the layouts) by the route's forward kernel; unless
+    p.write_lse the kernel writes no LSE and None stands for it."""
+    key = _plan_key("forward", p, q, k, v)
     plan = _PLANS.get(key)
     if plan is not None:
         made = plan(q=q, k=k, v=v)
         return made["out"], made.get("lse")
     recorder = Recorder(q=q, k=k, v=v)
     out_dtype = q.dtype
-    run_dtype = _interpreter_dtype(q.dtype)
+    run_dtype = route.run_dtype(q.dtype)
     shape = q.shape
-    lse = recorder.empty("lse", lse_shape(q, p.varlen), torch.float32, q.device) if with_lse else None
+    lse = recorder.empty("lse", lse_shape(q, p.varlen), torch.float32, q.device) if p.write_lse else None
     q, k, v = (_kernel_view(x, run_dtype) for x in (q, k, v))
-    batch, n_q, n_k = _lengths(q, k, p)
+    batch, n_q, n_k = route.lengths(q, k, p)
     head_dim = q.shape[3]
     out = recorder.empty("out", q.shape, run_dtype, q.device)
-
-    arch = config.arch_of(q.device, interpreting())
-    banded = p.window_left != NO_BOUND or p.window_right != NO_BOUND
-    span = _span(p, n_q, n_k)
-    hopper_cfg = config.hopper_forward_config(arch, head_dim, run_dtype, banded=banded, span=span)
-    if hopper_cfg is not None and _hopper_fits(p, hopper_cfg.rows, q, k, v):
+    cfg = r.config
+    if r.family == route.HOPPER:
         if autotune.enabled():
 
             def run(c: config.HopperForwardConfig) -> tuple[torch.Tensor, ...]:
                 _hopper_forward(q, k, v, out, lse, p, c, Recorder())
                 return _written(out, lse)
 
-            candidates = config.hopper_forward_candidates(head_dim, hopper_cfg)
-            candidates = [c for c in candidates if _hopper_fits(p, c.rows, q, k, v)]
-            tuning = _tuning_key(p, head_dim, run_dtype, span, lse is not None)
-            hopper_cfg = autotune.choose("gluon forward", tuning, hopper_cfg, candidates, run, q.device)
-        recorder.add(_hopper_forward(q, k, v, out, lse, p, hopper_cfg, recorder))
+            candidates = config.hopper_forward_candidates(head_dim, cfg)
+            candidates = [c for c in candidates if route.hopper_fits(p, c.rows, q, k, v)]
+            tuning = _tuning_key(p, head_dim, run_dtype, p.span(n_q, n_k), lse is not None)
+            cfg = autotune.choose("gluon forward", tuning, cfg, candidates, run, q.device)
+        recorder.add(_hopper_forward(q, k, v, out, lse, p, cfg, recorder))
         _keep(key, recorder)  # replays return out as it is: a plan's tensors are in their run dtype and shape
         return _user_view(out, shape, out_dtype), lse
-    cfg = config.forward_config(arch, head_dim, run_dtype, span, _plain(p))
     if autotune.enabled():
         cfg = autotune.choose(
-            "forward", _tuning_key(p, head_dim, run_dtype, span, lse is not None), cfg,
-            config.forward_candidates(arch, head_dim, run_dtype, cfg),
+            "forward", _tuning_key(p, head_dim, run_dtype, p.span(n_q, n_k), lse is not None), cfg,
+            config.forward_candidates(route.arch(q.device), head_dim, run_dtype, cfg),
             lambda c: _written(*_portable_forward(q, k, v, out, lse, p, c, batch, n_q, n_k)), q.device,
         )  # fmt: skip
     _portable_forward(q, k, v, out, lse, p, cfg, batch, n_q, n_k)
@@ -500,7 +416,7 @@ def _portable_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.Forward
     attention_forward_kernel[grid](
         q, k, v, out, lse, _tma_view(k, block_n, block_d, cfg.tma), _tma_view(v, block_n, block_d, cfg.tma),
         *_strides(q, p.varlen), *_strides(k, p.varlen), *_strides(v, p.varlen), *_strides(out, p.varlen),
-        *_lse_strides(lse, p.varlen),
+        *_lse_strides(lse, p.varlen), p.empty_lse,
         N_Q=n_q, N_K=n_k, qk_scale=p.softmax_scale * LOG2E, H=heads, GROUP=heads // heads_k,
         D=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         EVEN_M=_even(n_q, block_m, p), EVEN_N=_even(n_k, _sparse_block(block_n, p.block_mask, 1), p),
@@ -524,8 +440,9 @@ def backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     p: AttentionParams,
+    r: route.Route,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV by recomputation from Q, K, V and the forward's LSE (no N x N buffer)."""
+    """dQ, dK, dV by recomputation from Q, K, V and the forward's LSE (no N x N buffer), by the route's kernels."""
     grad_dtype = q.dtype
     shapes = q.shape, k.shape, v.shape
     key = _plan_key("backward", p, dout, dlse, q, k, v, out, lse)
@@ -535,26 +452,22 @@ def backward(
         return _shaped((made["dq"], made["dk"], made["dv"]), shapes, grad_dtype)
     # the tensors as passed: a conversion's copy below is no input, and a launch reading one is not replayed
     recorder = Recorder(dout=dout, dlse=dlse, q=q, k=k, v=v, out=out, lse=lse)
-    run_dtype = _interpreter_dtype(q.dtype)
+    run_dtype = route.run_dtype(q.dtype)
     q, k, v, out, dout = (_kernel_view(x, run_dtype) for x in (q, k, v, out, dout))
-    lse = lse.contiguous()
+    lse = final_lse(lse, p).contiguous()
     dlse = dlse.contiguous()
-    batch, n_q, n_k = _lengths(q, k, p)
+    batch, n_q, n_k = route.lengths(q, k, p)
     heads, head_dim, heads_k = q.shape[2], q.shape[3], k.shape[2]
-    arch = config.arch_of(q.device, interpreting())
-    hopper_cfg = config.hopper_backward_config(arch, head_dim, run_dtype)
-    on_hopper = hopper_cfg is not None and _hopper_fits(p, hopper_cfg.rows, q, k, v, dout, out)
-    fused = on_hopper and not p.deterministic and _span(p, n_q, n_k) >= hopper_cfg.fused_span
-    pair = on_hopper and not fused and hopper_cfg.dq is not None
+    fused = r.dq == route.FUSED
     delta = recorder.empty("delta", lse.shape, torch.float32, q.device)
     # the fused kernel adds dQ's shares up in fp32, zeroed by the preprocess kernel, and converts them after
     dq_sums = recorder.empty("dq_sums", q.shape, torch.float32, q.device) if fused else None
     dq = recorder.empty("dq", q.shape, run_dtype, q.device)
     dk = recorder.empty("dk", k.shape, run_dtype, q.device)
     dv = recorder.empty("dv", v.shape, run_dtype, q.device)
-    if pair:  # dQ's own pass, which also computes delta for the dK/dV kernel after it
-        recorder.add(_hopper_dq(q, k, v, out, dout, lse, dlse, delta, dq, p, hopper_cfg))
-        recorder.add(_hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, None, p, hopper_cfg))
+    if r.dq == route.PAIR:  # dQ's own pass, which also computes delta for the dK/dV kernel after it
+        recorder.add(_hopper_dq(q, k, v, out, dout, lse, dlse, delta, dq, p, r.config))
+        recorder.add(_hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, None, p, r.config))
         _keep(key, recorder)
         return _shaped((dq, dk, dv), shapes, grad_dtype)
     block_d = config.block_d(head_dim)
@@ -567,15 +480,11 @@ def backward(
         N_Q=n_q, CU_SEQLENS_Q=p.cu_seqlens_q, BLOCK_M=block, VARLEN=p.varlen, **common,
     ))  # fmt: skip
     if fused:  # one pass: dK, dV and dQ, whose shares the key tiles add up in no fixed order
-        recorder.add(_hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p, hopper_cfg))
-        recorder.add(_dq_convert(dq_sums, dq, hopper_cfg))
+        recorder.add(_hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p, r.config))
+        recorder.add(_dq_convert(dq_sums, dq, r.config))
         _keep(key, recorder)
         return _shaped((dq, dk, dv), shapes, grad_dtype)
-    cfg = config.backward_config(
-        arch, head_dim, run_dtype, span=_span(p, n_q, n_k), windowed=p.window_left != NO_BOUND,
-        causal=p.window_left == NO_BOUND and p.window_right != NO_BOUND, varlen=p.varlen,
-        sparse=p.block_mask is not None,
-    )  # fmt: skip
+    cfg = r.config
     runtime, flags = _features(p)
     flags.update(SCORE_GRAD=p.score_mod.grad if p.score_mod else None)
     kernel_args = dict(

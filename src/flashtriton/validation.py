@@ -5,6 +5,7 @@ Each raises ValueError or TypeError whose message says what to change.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Callable, Hashable
@@ -174,12 +175,10 @@ def check_varlen(
     max_seqlen_k: int,
 ) -> None:
     """A packed variable-length batch: q (total_q, nheads, headdim), k, v (total_k, nheads_k, headdim),
-    cu_seqlens_q, cu_seqlens_k (batch + 1,) int32 on q's device, from 0, non-decreasing, ending at
-    total_q and total_k; max_seqlen_q, max_seqlen_k ints at least the longest sequence.
+    cu_seqlens_q, cu_seqlens_k (batch + 1,) int32 on q's device; max_seqlen_q, max_seqlen_k ints.
 
-    Reads cu_seqlens on the host to check their values: one device sync the first time a tensor is
-    seen, none while the same tensor comes back unmodified (a model's layers share one batch's
-    cu_seqlens); see host_read.
+    Shapes, dtypes and devices only, so that a traced call checks them too; the values are check_cu_seqlens's,
+    which the op runs before it launches anything.
     """
     check_tensor("q", q, 3, "(total_q, nheads, headdim)")
     check_tensor("k", k, 3, "(total_k, nheads_k, headdim)")
@@ -198,29 +197,52 @@ def check_varlen(
             f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries, cu_seqlens_k {cu_seqlens_k.shape[0]}: "
             "both must be (batch + 1,) for the same batch"
         )
-    for name, cu, total, max_name, max_seqlen in (
-        ("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),
-        ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k),
-    ):
-        starts = host_read(cu, "values", torch.Tensor.tolist)
-        lengths = [b - a for a, b in pairwise(starts)]
-        if starts[0] != 0:
-            raise ValueError(f"{name} must start at 0 (cumulative sequence lengths), got {name}[0] = {starts[0]}")
-        for b, n in enumerate(lengths):
-            if n < 0:
-                raise ValueError(
-                    f"{name} must never decrease (cumulative sequence lengths), got {name}[{b}] = {starts[b]} "
-                    f"> {name}[{b + 1}] = {starts[b + 1]}"
-                )
-        if starts[-1] != total:
-            raise ValueError(
-                f"{name} ends at {starts[-1]} but the packed tensor has {total} tokens: "
-                "the last entry must be the total length"
-            )
+    for name, max_seqlen in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if not _is_int(max_seqlen):
-            raise TypeError(f"{max_name} must be an int, got {type(max_seqlen).__name__}: pass int({max_name})")
-        if max_seqlen < max(lengths, default=0):
+            raise TypeError(f"{name} must be an int, got {type(max_seqlen).__name__}: pass int({name})")
+
+
+def check_cu_seqlens(
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    total_q: int,
+    total_k: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> None:
+    """cu_seqlens' values: from 0, non-decreasing, ending at the packed lengths, no sequence longer than its max.
+
+    Reads them on the host: one device sync the first time a tensor is seen, none while the same tensor comes back
+    unmodified with the same totals (a model's layers share one batch's cu_seqlens); see host_read.
+    """
+    for name, cu, total, max_seqlen in (
+        ("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
+        ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k),
+    ):
+        check = functools.partial(_check_starts, name, total=total, max_seqlen=max_seqlen)
+        host_read(cu, ("checked", name, total, max_seqlen), check)
+
+
+def _check_starts(name: str, cu: torch.Tensor, *, total: int, max_seqlen: int) -> bool:
+    starts = host_read(cu, "values", torch.Tensor.tolist)
+    lengths = [b - a for a, b in pairwise(starts)]
+    if starts[0] != 0:
+        raise ValueError(f"{name} must start at 0 (cumulative sequence lengths), got {name}[0] = {starts[0]}")
+    for b, n in enumerate(lengths):
+        if n < 0:
             raise ValueError(
-                f"{max_name} is {max_seqlen} but the longest sequence in {name} has {max(lengths)} tokens: "
-                f"pass at least {max(lengths)}"
+                f"{name} must never decrease (cumulative sequence lengths), got {name}[{b}] = {starts[b]} "
+                f"> {name}[{b + 1}] = {starts[b + 1]}"
             )
+    if starts[-1] != total:
+        raise ValueError(
+            f"{name} ends at {starts[-1]} but the packed tensor has {total} tokens: "
+            "the last entry must be the total length"
+        )
+    max_name = name.replace("cu_seqlens", "max_seqlen")
+    if max_seqlen < max(lengths, default=0):
+        raise ValueError(
+            f"{max_name} is {max_seqlen} but the longest sequence in {name} has {max(lengths)} tokens: "
+            f"pass at least {max(lengths)}"
+        )
+    return True

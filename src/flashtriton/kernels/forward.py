@@ -30,8 +30,8 @@ Normalisation by l happens once, after the last tile.
 
 Numerics: scores are taken in base 2 with softmax_scale * LOG2E folded into one multiply
 (qk_scale), so m is in base-2 units; l and the accumulator are fp32. The LSE written out is
-natural-log (flash_attn's softmax_lse). A row that sees no key gets O = 0 and LSE = +inf, so the
-backward's exp2(s - LSE) is exactly 0 there.
+natural-log (flash_attn's softmax_lse). A row that sees no key gets O = 0 and LSE = empty_lse: +inf for a
+final result, so the backward's exp2(s - LSE) is exactly 0 there, -inf for a partial one that a merge combines.
 Masks: key tiles outside the window band (above the causal diagonal) are never visited; only tiles
 that cross a band edge (and the ragged last key tile) pay for the element mask.
 """
@@ -145,7 +145,7 @@ def attention_forward_kernel(
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
-    stride_lb, stride_lh,
+    stride_lb, stride_lh, empty_lse,
     N_Q, N_K, qk_scale, H, GROUP,
     CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, softcap, window_left, window_right, seed, threshold, dropout_scale,
     TILE_NUM, TILE_IDX, FULL_NUM, FULL_IDX, stride_sb, stride_sh, MASK_TENSORS, SCORE_TENSORS,
@@ -215,10 +215,10 @@ def attention_forward_kernel(
                 DOT_PRECISION, None if i == 1 else (1 if i == 3 else EDGE_STAGES),
             )  # fmt: skip
 
-    # epilogue: normalise once; rows that saw no key get O = 0 and LSE = +inf
+    # epilogue: normalise once; rows that saw no key get O = 0 and LSE = empty_lse (+inf final, -inf partial)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    lse = tl.where(empty, empty_lse, (m_i + tl.math.log2(l_safe)) * LN2)
     if DROPOUT:
         l_safe = l_safe / dropout_scale
     out = acc / l_safe[:, None]

@@ -1,0 +1,208 @@
+"""Which kernels serve a call: the one place that decides, from the parameters, the tensors and the GPU.
+
+``forward`` and ``backward`` return a ``Route``: the kernel family and its table config, which ops.py hands to that
+family's launchers. The families:
+
+  none      no query or no key: nothing to compute (out 0, every row empty)
+  torch     the PyTorch tiled path (torch_backend.py): CPU tensors, fp32, FLASHTRITON_BACKEND=torch
+  portable  the Triton kernels of kernels/forward.py and kernels/backward.py: every feature, every GPU, the interpreter
+  hopper    the Gluon kernels of kernels/hopper (sm90): plain dense, causal or causal sliding-window self-attention
+            whose sequences are whole tiles, in layouts TMA reads; the backward either fused (dK/dV adding dQ up in
+            fp32) or as a pair (dQ, then dK/dV: a fixed summation order)
+
+Backend (environment variable FLASHTRITON_BACKEND, read at each call):
+  auto (default)  Triton kernels for fp16/bf16 CUDA tensors, the PyTorch path for anything else
+                  (fp32 included: the kernels' hardware exp2 is approximate, about 4x plain fp32's error)
+  triton          Triton kernels (CPU tensors too when TRITON_INTERPRET=1: Triton's interpreter)
+  torch           the PyTorch path on any device
+
+tests/test_route.py keeps the routes of a fixed set of calls in tests/route_table.txt, so a change in routing shows
+as a diff of that file.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .kernels import config
+from .params import AttentionParams
+
+BACKEND_ENV = "FLASHTRITON_BACKEND"
+BACKENDS = ("auto", "triton", "torch")
+
+NONE, TORCH, PORTABLE, HOPPER = "none", "torch", "portable", "hopper"
+FUSED, PAIR = "fused", "pair"
+
+
+@dataclass(frozen=True)
+class Route:
+    family: str  # NONE, TORCH, PORTABLE or HOPPER
+    config: Any = None  # kernels.config's row for the family (None for none and torch)
+    dq: str = ""  # the Hopper backward's dQ: FUSED or PAIR
+
+    def __str__(self) -> str:
+        return " ".join(filter(None, (self.family, self.dq, _describe(self.config))))
+
+
+def _describe(cfg: Any) -> str:
+    if cfg is None:
+        return ""
+    fields = (f"{k}={v}" for k, v in vars(cfg).items() if isinstance(v, (int, str)) and v is not False)
+    return ",".join(fields)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    from triton import knobs  # imported here: triton reads TRITON_INTERPRET at import
+
+    return bool(knobs.runtime.interpret)
+
+
+def _backend(device: torch.device, dtype: torch.dtype) -> str:
+    """TORCH or "triton" for these tensors, by FLASHTRITON_BACKEND."""
+    name = os.environ.get(BACKEND_ENV, "auto")
+    if name not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={name!r} is not a backend: use one of {', '.join(BACKENDS)}")
+    if name == "torch" or (name == "auto" and (device.type != "cuda" or dtype == torch.float32)):
+        return TORCH
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"{BACKEND_ENV}=triton needs CUDA tensors, or TRITON_INTERPRET=1 set before importing "
+            f"flashtriton to run the kernels in Triton's CPU interpreter; got {device.type} tensors"
+        )
+    return "triton"
+
+
+def arch(device: torch.device) -> str:
+    """The kernel tables' name for the GPU: "sm90" (Hopper), "cuda" (any other), "interpreter"."""
+    return "interpreter" if interpreting() else _cuda_arch(device)
+
+
+@functools.cache
+def _cuda_arch(device: torch.device) -> str:
+    major, _ = torch.cuda.get_device_capability(device)  # a few microseconds a call: read once per device
+    return "sm90" if major == 9 and _hopper_kernels_import() else "cuda"
+
+
+@functools.cache
+def _hopper_kernels_import() -> bool:
+    """The Gluon kernels build on private Triton APIs: another Triton may lack them (the portable kernels serve)."""
+    try:
+        from .kernels import hopper  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def run_dtype(dtype: torch.dtype, gpu: str | None = None) -> torch.dtype:
+    """The dtype the kernels compute in: Triton 3.6's interpreter computes bf16 tl.dot wrongly, so fp32 there."""
+    interpreter = interpreting() if gpu is None else gpu == "interpreter"
+    return torch.float32 if dtype == torch.bfloat16 and interpreter else dtype
+
+
+def lengths(q: torch.Tensor, k: torch.Tensor, p: AttentionParams) -> tuple[int, int, int]:
+    """batch and the (longest) query / key lengths of (B, N, H, D) tensors, or of a varlen batch."""
+    if p.varlen:
+        return p.cu_seqlens_q.shape[0] - 1, p.max_seqlen_q, p.max_seqlen_k
+    return q.shape[0], q.shape[1], k.shape[1]
+
+
+def tma_fits(x: torch.Tensor, block_d: int) -> bool:
+    """A (B, N, H, D) tensor, as the kernels see it (a copy if its last stride is not 1), reads as the 2D
+    (B * N, H * D) view in TMA tiles of [rows, block_d]: D a power of two (a tile's columns are exactly one head),
+    heads packed, batches back to back, base and row stride 16-byte aligned, fewer than 2**31 rows (int32
+    coordinates)."""
+    if x.dim() == 3:  # varlen (total, H, D) runs as one batch row
+        x = x.unsqueeze(0)
+    batch, n, heads, d = x.shape
+    copied = x.stride(-1) != 1
+    row, batch_stride = (heads * d, n * heads * d) if copied else (x.stride(1), x.stride(0))
+    return (
+        d == block_d
+        and (copied or x.stride(2) == d)
+        and row >= heads * d
+        and (batch == 1 or batch_stride == n * row)
+        and row * x.element_size() % 16 == 0
+        and (copied or x.data_ptr() % 16 == 0)
+        and batch * n < 2**31
+    )
+
+
+def _whole_sequences(p: AttentionParams, n: int, tile: int) -> bool:
+    """Every sequence is self-attention of a whole number of tiles: n rows each or, varlen, the same cu_seqlens
+    for queries and keys, as validation read them to the host (never a new read)."""
+    if not p.varlen:
+        return n % tile == 0
+    from .validation import host_read_cached
+
+    found_q, starts_q = host_read_cached(p.cu_seqlens_q, "values")
+    found_k, starts_k = host_read_cached(p.cu_seqlens_k, "values")
+    return found_q and found_k and starts_q == starts_k and all(start % tile == 0 for start in starts_q)
+
+
+def hopper_fits(p: AttentionParams, tile: int, *tensors: torch.Tensor) -> bool:
+    """The Gluon kernels' scope: plain dense, causal or causal sliding-window self-attention whose sequences are
+    whole numbers of ``tile`` rows, in layouts TMA reads (tensors: q, k, v and any more, (B, N, H, D) or varlen)."""
+    q = tensors[0]
+    n = q.shape[-3]
+    return (
+        p.plain
+        and not p.sparse
+        and (p.diagonal or not p.windowed)
+        and all(x.shape[-3] == n and tma_fits(x, x.shape[-1]) for x in tensors)
+        and math.prod(q.shape[:-1]) < 2**31  # LSE entries: the kernels' offsets into it are 32-bit
+        and _whole_sequences(p, n, tile)
+    )
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams, gpu: str | None = None) -> Route:
+    """The forward's route. ``gpu``: route for that arch's kernel tables instead of q's device (tests)."""
+    if q.numel() == 0 or k.numel() == 0:
+        return Route(NONE)
+    if gpu is None and _backend(q.device, q.dtype) == TORCH:
+        return Route(TORCH)
+    gpu = gpu or arch(q.device)
+    dtype, head_dim = run_dtype(q.dtype, gpu), q.shape[-1]
+    _, n_q, n_k = lengths(q, k, p)
+    span = p.span(n_q, n_k)
+    cfg = config.hopper_forward_config(gpu, head_dim, dtype, banded=p.windowed, span=span)
+    if cfg is not None and hopper_fits(p, cfg.rows, q, k, v):
+        return Route(HOPPER, cfg)
+    return Route(PORTABLE, config.forward_config(gpu, head_dim, dtype, span, p.plain))
+
+
+def backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    p: AttentionParams,
+    gpu: str | None = None,
+) -> Route:
+    """The backward's route (its tensors as the forward's; dout shaped as out)."""
+    if q.numel() == 0 or k.numel() == 0:
+        return Route(NONE)
+    if gpu is None and _backend(q.device, q.dtype) == TORCH:
+        return Route(TORCH)
+    gpu = gpu or arch(q.device)
+    dtype, head_dim = run_dtype(q.dtype, gpu), q.shape[-1]
+    _, n_q, n_k = lengths(q, k, p)
+    span = p.span(n_q, n_k)
+    cfg = config.hopper_backward_config(gpu, head_dim, dtype)
+    if cfg is not None and hopper_fits(p, cfg.rows, q, k, v, dout, out):
+        if not p.deterministic and span >= cfg.fused_span:
+            return Route(HOPPER, cfg, FUSED)  # one pass, dQ's shares added up in no fixed order
+        if cfg.dq is not None:
+            return Route(HOPPER, cfg, PAIR)
+    portable = config.backward_config(
+        gpu, head_dim, dtype, span=span, windowed=p.left_bounded, causal=p.right_only, varlen=p.varlen,
+        sparse=p.sparse,
+    )  # fmt: skip
+    return Route(PORTABLE, portable)
