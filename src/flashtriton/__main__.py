@@ -9,7 +9,7 @@ import sys
 import torch
 import triton
 
-from . import __version__, bench
+from . import __version__, bench, warmup
 
 DEMO_PROVIDERS = ["flashtriton", "standard", "sdpa", "sdpa-cudnn", "sdpa-flash"]
 
@@ -17,7 +17,7 @@ DEMO_PROVIDERS = ["flashtriton", "standard", "sdpa", "sdpa-cudnn", "sdpa-flash"]
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flashtriton",
-        description="FlashAttention-2 in Triton: benchmark it.",
+        description="FlashAttention-2 in Triton: benchmark it, or compile its kernels ahead of a first call.",
         epilog="flashtriton COMMAND --help lists a command's options.",
     )
     parser.add_argument(
@@ -46,6 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(demo)
     demo.set_defaults(run=bench.run, quick=True, no_plots=True, out="out/demo", providers=DEMO_PROVIDERS)
 
+    warm = commands.add_parser(
+        "warmup",
+        help="compile the common kernel variants now, so that a first call loads them from Triton's cache",
+        description=warmup.__doc__,
+        formatter_class=described,
+    )
+    warmup.add_arguments(warm)
+    warm.set_defaults(run=warmup.run)
     return parser
 
 
