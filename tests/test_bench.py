@@ -307,6 +307,7 @@ def test_the_summary_drops_peers_that_never_ran_and_groups_what_was_unavailable(
     table = bench.format_table(results, ["fwd"]).splitlines()
     assert "x standard" in table[0] and "x flex" not in table[0]
     assert table[1].split()[-2:] == ["3.00", "2.00"] and table[2].split()[-2:] == ["4.00", "-"]
+    assert bench._tflops(512.34) == "512.3" and bench._tflops(1.2e-4) == "0.00012"  # a CPU's keep their digits
     assert bench.unavailable_lines(results) == [
         "unavailable: flex on all 2 cases: needs a CUDA GPU",
         "unavailable: standard on d16-n32: N x N scores too large",

@@ -510,6 +510,10 @@ def _progress(cases: list[Case], weights: list[float], stream=None):
     show(f"{bar(total)}{total}/{total} cases in {_clock(time.perf_counter() - start)}", last=True)
 
 
+def _tflops(x: float) -> str:
+    return f"{x:.1f}" if x >= 1 else f"{x:.2g}"  # a CPU's are thousandths
+
+
 def format_table(results: list[Result], modes) -> str:
     """Our rows, a column of ratios per peer that ran beside us (a peer unavailable on every case has none)."""
     ours = [r for r in results if r.provider == OURS and not r.unavailable]
@@ -521,8 +525,8 @@ def format_table(results: list[Result], modes) -> str:
         for mode in (m for m in modes if m in r.ms):
             ratios = [r.ratios.get(p, {}).get(mode) for p in peers]
             memory = f"{r.peak_extra_mib:>10.1f}" if r.peak_extra_mib is not None else f"{'-':>10}"
-            row = f"{r.case.name:<22}{mode:<9}{r.ms[mode]:>9.3f}{r.tflops[mode]:>9.4g}{r.max_error:>10.1e}{memory}"
-            row += f"{r.first_call_s:>8.2f}"
+            row = f"{r.case.name:<22}{mode:<9}{r.ms[mode]:>9.3f}{_tflops(r.tflops[mode]):>9}"
+            row += f"{r.max_error:>10.1e}{memory}{r.first_call_s:>8.2f}"
             lines.append(row + "".join(f"{x:>17.2f}" if x else f"{'-':>17}" for x in ratios))
     return "\n".join(lines)
 
