@@ -1,7 +1,10 @@
 """flashtriton bench's timing protocol: providers timed in rounds, the order rotated, their calls taken in turn,
-medians reported, a provider that fails reported as unavailable; --resume refuses a run measured another way."""
+medians reported, a provider that fails reported as unavailable; --resume refuses a run measured another way;
+the sweep's choices per device, the progress line and the summary."""
 
+import argparse
 import importlib.util
+import io
 import shutil
 import subprocess
 from pathlib import Path
@@ -213,3 +216,100 @@ def test_the_report_names_the_commit_that_introduced_a_runs_source(tmp_path, mon
     stale = report._source_line({"source_digest": v1, "commit": second, "commit_subject": "v2"})
     assert stale.startswith(f"commit `{first[:10]}` (v1), found by the source digest") and second[:10] in stale
     assert "found by" not in report._source_line({"source_digest": v1, "commit": docs, "commit_subject": "docs"})
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _clock_reads(monkeypatch, reads: list[float]) -> None:
+    """bench's time.perf_counter returns these, one per call."""
+    it = iter(reads)
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(it))
+
+
+def test_progress_in_a_log_is_a_line_per_case_with_the_time_left(monkeypatch):
+    """The estimate is the time per weight so far times the weight left: after a case of weight 1 took 10 s, the
+    3 of weight left take about 30 s."""
+    cases = [bench.Case(1, n, 2, 16, False) for n in (16, 32, 64)]
+    _clock_reads(monkeypatch, [0.0, 0.0, 10.0, 70.0, 80.0])
+    log = io.StringIO()
+    assert list(bench._progress(cases, [1.0, 2.0, 1.0], log)) == cases
+    assert log.getvalue().splitlines() == [
+        "0/3 cases, 0:00 elapsed, ~? left: running d16-n16",
+        "1/3 cases, 0:10 elapsed, ~0:30 left: running d16-n32",
+        "2/3 cases, 1:10 elapsed, ~0:23 left: running d16-n64",
+        "3/3 cases in 1:20",
+    ]
+
+
+def test_progress_on_a_terminal_is_one_bar_redrawn(monkeypatch):
+    cases = [bench.Case(1, n, 2, 16, False) for n in (16, 32)]
+    monkeypatch.setenv("COLUMNS", "200")
+    _clock_reads(monkeypatch, [0.0, 0.0, 4.0, 8.0])
+    terminal = _Terminal()
+    list(bench._progress(cases, [1.0, 1.0], terminal))
+    text = terminal.getvalue()
+    assert text.count("\n") == 1 and text.endswith("\n")
+    draws = text.rstrip("\n").split("\r")[1:]
+    assert [d.split("]")[0].count("#") for d in draws] == [0, bench.PROGRESS_BAR // 2, bench.PROGRESS_BAR]
+    assert "~0:04 left: running d16-n32" in draws[1] and draws[2].startswith(f"[{'#' * bench.PROGRESS_BAR}] 2/2")
+
+
+def test_clock():
+    assert [bench._clock(s) for s in (0, 59.6, 61, 3600 + 62)] == ["0:00", "1:00", "1:01", "1:01:02"]
+
+
+def _options(*argv: str):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_cpu_defaults_are_named_and_flags_given_are_honoured():
+    head_dims, seqlens, dtype, notes = bench.sweep_choices(_options(), CPU)
+    assert (head_dims, seqlens, dtype) == ([64], list(bench.CPU_SEQLENS), "float32")
+    assert "head dim 64 (--head-dims), float32 (--dtype), lengths 512 1024 2048 (--seqlens)" in notes[0]
+    assert notes[1].endswith(": sdpa-cudnn, sdpa-flash, sdpa-efficient, flex, flash_attn will be reported unavailable")
+
+    options = _options("--head-dims", "128", "--dtype", "bfloat16", "--seqlens", "4096", "--providers", "standard")
+    head_dims, seqlens, dtype, notes = bench.sweep_choices(options, CPU)
+    assert (head_dims, seqlens, dtype, notes) == ([128], [4096], "bfloat16", [])
+    (case,) = bench.default_cases(CPU, head_dims, seqlens, [True], dtype)
+    assert (case.head_dim, case.seqlen, case.dtype, case.causal) == (128, 4096, "bfloat16", True)
+
+
+def test_quick_takes_one_case_per_causal_flag_unless_flags_are_given():
+    assert bench.sweep_choices(_options("--quick"), CPU)[:3] == ([64], [1024], "float32")
+    assert bench.sweep_choices(_options("--quick", "--head-dims", "32"), CPU)[:2] == ([32], [1024])
+    cuda = torch.device("cuda")
+    assert bench.sweep_choices(_options("--quick"), cuda) == ([128], [4096], "bfloat16", [])
+    assert bench.sweep_choices(_options(), cuda)[:2] == (list(bench.CUDA_HEAD_DIMS), list(bench.CUDA_SEQLENS))
+
+
+def test_rounds_below_one_are_refused():
+    with pytest.raises(SystemExit):
+        _options("--rounds", "0")
+
+
+def test_the_summary_drops_peers_that_never_ran_and_groups_what_was_unavailable():
+    other = bench.Case(1, 32, 2, 16, False, "float32")
+    results = [
+        bench.Result(CASE, "flashtriton", ms={"fwd": 1.0}, tflops={"fwd": 0.5}, max_error=1e-6, first_call_s=3.0),
+        bench.Result(CASE, "standard", ms={"fwd": 2.0}, first_call_s=0.5),
+        bench.Result(CASE, "flex", unavailable="needs a CUDA GPU"),
+        bench.Result(other, "flashtriton", ms={"fwd": 2.0}, tflops={"fwd": 0.5}, max_error=1e-6, first_call_s=4.0),
+        bench.Result(other, "standard", unavailable="N x N scores too large"),
+        bench.Result(other, "flex", unavailable="needs a CUDA GPU"),
+    ]
+    bench.attach_ratios(results)
+    table = bench.format_table(results, ["fwd"]).splitlines()
+    assert "x standard" in table[0] and "x flex" not in table[0]
+    assert table[1].split()[-2:] == ["3.00", "2.00"] and table[2].split()[-2:] == ["4.00", "-"]
+    assert bench._tflops(512.34) == "512.3" and bench._tflops(1.2e-4) == "0.00012"  # a CPU's keep their digits
+    assert bench.unavailable_lines(results) == [
+        "unavailable: flex on all 2 cases: needs a CUDA GPU",
+        "unavailable: standard on d16-n32: N x N scores too large",
+    ]
+    assert bench.first_calls(results).endswith("flashtriton 4.00 s (d16-n32), standard 0.50 s (d16-n8)")

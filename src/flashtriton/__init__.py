@@ -1,5 +1,8 @@
 """flashtriton: FlashAttention-2 (exact, IO-aware attention) in Triton, flash_attn-compatible."""
 
+# The one place the version is written: pyproject.toml reads it from here (setuptools, without importing).
+__version__ = "0.1.0"
+
 from .block_mask import BlockMask, create_block_mask
 from .dropout import dropout_mask
 from .interface import (
@@ -34,4 +37,3 @@ __all__ = [
     "prefix_lm_mask",
     "sliding_window_mask",
 ]
-__version__ = "0.1.0"

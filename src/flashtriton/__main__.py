@@ -1,26 +1,69 @@
-"""Command line: ``flashtriton bench [...]`` (the benchmark) and ``flashtriton demo`` (a quick one).
-
-Ratios in the table are peer time / flashtriton time: above 1 means flashtriton is faster.
-"""
+"""Command line: ``flashtriton COMMAND [options]``; ``flashtriton --help`` lists the commands and
+``flashtriton COMMAND --help`` their options."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-from . import bench
+import torch
+import triton
 
-USAGE = "usage: flashtriton {bench,demo} [options]   (flashtriton bench --help for the options)"
+from . import __version__, bench, warmup
+
+DEMO_PROVIDERS = ["flashtriton", "standard", "sdpa", "sdpa-cudnn", "sdpa-flash"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flashtriton",
+        description="FlashAttention-2 in Triton: benchmark it, or compile its kernels ahead of a first call.",
+        epilog="flashtriton COMMAND --help lists a command's options.",
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"flashtriton {__version__} (torch {torch.__version__}, triton {triton.__version__})",
+    )
+    commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
+
+    described = argparse.RawDescriptionHelpFormatter
+    sweep = commands.add_parser(
+        "bench",
+        help="time flashtriton against its peers; writes results.json and bench.png",
+        description=bench.__doc__,
+        formatter_class=described,
+    )
+    bench.add_arguments(sweep)
+    sweep.set_defaults(run=bench.run)
+
+    demo = commands.add_parser(
+        "demo",
+        help="a quick bench: one case per causal flag against standard attention and SDPA, no plot",
+        description="`flashtriton bench --quick --no-plots --out out/demo` against standard attention and SDPA; "
+        "the bench's options apply.",
+    )
+    bench.add_arguments(demo)
+    demo.set_defaults(run=bench.run, quick=True, no_plots=True, out="out/demo", providers=DEMO_PROVIDERS)
+
+    warm = commands.add_parser(
+        "warmup",
+        help="compile the common kernel variants now, so that a first call loads them from Triton's cache",
+        description=warmup.__doc__,
+        formatter_class=described,
+    )
+    warmup.add_arguments(warm)
+    warm.set_defaults(run=warmup.run)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("bench", "demo"):
-        print(USAGE, file=sys.stderr)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
         return 2
-    if argv[0] == "demo":
-        peers = ["flashtriton", "standard", "sdpa", "sdpa-cudnn", "sdpa-flash"]
-        return bench.main(["--quick", "--no-plots", "--out", "out/demo", "--providers", *peers, *argv[1:]])
-    return bench.main(argv[1:])
+    return args.run(args)
 
 
 if __name__ == "__main__":

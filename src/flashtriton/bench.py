@@ -1,12 +1,12 @@
 """``flashtriton bench``: flashtriton against its peers, every provider in the same run.
 
-FLOPs (one formula, the FlashAttention-2 paper's): forward 4 * B * H * N_Q * N_K * D, halved
-when causal; backward 2.5x the forward, so forward+backward 3.5x. Times are taken on random inputs in
-rounds, the providers' order rotated, and are the median of the rounds (run_case); within a round the
-providers' calls are timed one of each in turn (_timer), so that all of them see the same clock
-state. Writes ``results.json`` (rewritten after every case, so a run cut short still leaves what it
-measured) and one ``bench.png`` with a TFLOP/s-against-seqlen panel per (head dim, causal, mode).
-``--resume`` continues a run that was cut short (a device's time limit) from its results.json.
+FLOPs (one formula, the FlashAttention-2 paper's): forward 4 * B * H * N_Q * N_K * D, halved when causal;
+backward 2.5x the forward, so forward+backward 3.5x. Each case runs on random inputs in rounds, the
+providers' order rotated, and reports the median of the rounds (run_case); within a round the providers'
+calls are timed one of each in turn (_timer), so that all of them see the same clock state. Writes
+``results.json`` (rewritten after every case, so a run cut short still leaves what it measured) and
+``bench.png`` (with matplotlib: the ``[bench]`` extra), a TFLOP/s-against-seqlen panel per (head dim, causal,
+mode). ``--resume`` continues a run that was cut short (a device's time limit) from its results.json.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib.util
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,11 +39,15 @@ MODES = ("fwd", "bwd", "fwd_bwd")
 TOKENS, HIDDEN = 16384, 2048  # the FlashAttention-2 paper's sweep: batch * seqlen and heads * headdim
 OURS = "flashtriton"
 SCHEMA = "flashtriton-bench/3"
+CUDA_HEAD_DIMS = (64, 128, 256)
+CUDA_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+CPU_SEQLENS = (512, 1024, 2048)  # kept short on a CPU: a case's time grows as N^2
+CPU_BATCH, CPU_HEADS = 1, 4
 TIMING = "in turn"  # how a round times its providers (_timer); runs from before timed each in a block
 
 # Written into results.json so the file explains itself.
 DEFINITIONS = {
-    "case": "batch x seqlen = 16k tokens, heads x head_dim = 2048 (CPU: batch 1, 4 heads, head_dim 64)",
+    "case": "batch x seqlen = 16k tokens, heads x head_dim = 2048 (CPU: batch 1, 4 heads)",
     "ms": "per mode, the median over the rounds of each round's milliseconds: a round times the providers' calls "
     "one of each in turn, in passes (CUDA: each call after an L2 flush, events around it, about 100 ms of passes per "
     "provider; CPU: 3 passes), and takes each provider's median call",
@@ -114,7 +120,7 @@ def _flex(q, k, v, causal):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     # Static shapes: each case compiles for its own shape, as a user with one shape gets it (by default
-    # dynamo recompiles with dynamic shapes from the second shape on; see benchmarks/NOTES.md).
+    # dynamo recompiles with dynamic shapes from the second shape on, which times another kernel).
     torch._dynamo.config.recompile_limit = 1000
     torch._functorch.config.donated_buffer = False  # the "bwd" mode calls backward(retain_graph=True)
     compiled = torch.compile(flex_attention, dynamic=False)
@@ -181,7 +187,7 @@ def _in_turn(n: int, passes: int, take: Callable[[int], Any]) -> list[list]:
 def _timer(device: torch.device) -> Callable[[list[Callable]], list[float]]:
     """``time_all(calls)``: each call's median milliseconds, the calls timed one of each in turn rather than one
     after another in blocks: a GPU at its power cap drifts in clock under load, and a block's place in a round
-    then decided its time by up to 10% (benchmarks/NOTES.md 68). Raises _CallFailed for a call that raises."""
+    then decided its time by up to 10%. Raises _CallFailed for a call that raises."""
     return _cuda_in_turn if device.type == "cuda" else _cpu_in_turn
 
 
@@ -419,7 +425,7 @@ def environment() -> dict:
 
 def default_cases(device: torch.device, head_dims, seqlens, causal_options, dtype) -> list[Case]:
     if device.type != "cuda":
-        return [Case(1, n, 4, 64, c, "float32") for c in causal_options for n in seqlens]
+        return [Case(CPU_BATCH, n, CPU_HEADS, d, c, dtype) for d in head_dims for c in causal_options for n in seqlens]
     return [
         Case(max(1, TOKENS // n), n, HIDDEN // d, d, c, dtype)
         for d in head_dims
@@ -428,32 +434,133 @@ def default_cases(device: torch.device, head_dims, seqlens, causal_options, dtyp
     ]
 
 
-def _progress(cases: list[Case]):
-    """Yields the cases, printing each on stderr (one updating line on a terminal, one line each in a log)."""
-    total, start = len(cases), time.perf_counter()
-    end = "\r" if sys.stderr.isatty() else "\n"
-    for i, case in enumerate(cases, 1):
+def sweep_choices(args: argparse.Namespace, device: torch.device) -> tuple[list[int], list[int], str, list[str]]:
+    """(head dims, lengths, dtype) to run: those given on the command line, else the device's defaults (--quick:
+    one of each); and a note naming each CPU default that differs from the GPU sweep, so none is chosen silently."""
+    cuda = device.type == "cuda"
+    quick = args.quick
+    head_dims = args.head_dims or ([128] if quick and cuda else list(CUDA_HEAD_DIMS) if cuda else [64])
+    seqlens = args.seqlens or ([4096 if cuda else 1024] if quick else list(CUDA_SEQLENS if cuda else CPU_SEQLENS))
+    dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    notes = []
+    if not cuda:
+        chosen = [
+            f"head dim {head_dims[0]} (--head-dims)" * (args.head_dims is None),
+            "float32 (--dtype)" * (args.dtype is None),
+            f"lengths {' '.join(map(str, seqlens))} (--seqlens)" * (args.seqlens is None),
+        ]
+        if any(chosen):
+            notes.append(
+                f"no CUDA GPU: a CPU run of batch {CPU_BATCH}, {CPU_HEADS} heads, "
+                f"{', '.join(c for c in chosen if c)}; the flags in brackets choose others"
+            )
+        gpu_only = [p for p in (args.providers or PROVIDERS) if p in GPU_ONLY]
+        if gpu_only:
+            notes.append(f"no CUDA GPU: {', '.join(gpu_only)} will be reported unavailable")
+    return head_dims, seqlens, dtype, notes
+
+
+def _weights(cases: list[Case], device: torch.device) -> list[float]:
+    """Each case's expected share of the run's time, for the progress estimate: on a GPU the timing passes are
+    time-boxed, so cases cost about alike; on a CPU a case's time follows its FLOPs."""
+    if device.type == "cuda":
+        return [1.0] * len(cases)
+    return [attention_flops(c.batch, c.heads, c.seqlen, c.seqlen, c.head_dim, c.causal, "fwd") for c in cases]
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+PROGRESS_BAR = 24  # characters between the brackets
+
+
+def _progress(cases: list[Case], weights: list[float], stream=None):
+    """Yields the cases, showing on ``stream`` (stderr) the cases done, the time so far and the time left, estimated
+    as the time per weight so far times the weight left: a bar redrawn in place on a terminal, a line per case in a
+    log (a stream that is not a terminal)."""
+    stream = stream or sys.stderr
+    tty = stream.isatty()
+    columns = shutil.get_terminal_size().columns - 1
+    total, total_weight, done_weight = len(cases), sum(weights), 0.0
+    start, drawn = time.perf_counter(), 0
+
+    def show(text: str, last: bool = False) -> None:
+        nonlocal drawn
+        if tty:
+            text = text[:columns]
+            stream.write("\r" + text.ljust(drawn) + ("\n" if last else ""))
+            drawn = len(text)
+        else:
+            stream.write(text + "\n")
+        stream.flush()
+
+    def bar(done: int) -> str:
+        filled = PROGRESS_BAR * done // max(total, 1)
+        return f"[{'#' * filled}{'.' * (PROGRESS_BAR - filled)}] " if tty else ""
+
+    for i, (case, weight) in enumerate(zip(cases, weights, strict=True)):
         elapsed = time.perf_counter() - start
-        print(f"[{i}/{total} {elapsed:6.0f}s] {case.name:<24}", end=end, file=sys.stderr, flush=True)
+        left = _clock(elapsed * (total_weight - done_weight) / done_weight) if done_weight else "?"
+        show(f"{bar(i)}{i}/{total} cases, {_clock(elapsed)} elapsed, ~{left} left: running {case.name}")
         yield case
-    print(f"done in {time.perf_counter() - start:.0f}s", file=sys.stderr)
+        done_weight += weight
+    show(f"{bar(total)}{total}/{total} cases in {_clock(time.perf_counter() - start)}", last=True)
+
+
+def _tflops(x: float) -> str:
+    return f"{x:.1f}" if x >= 1 else f"{x:.2g}"  # a CPU's are thousandths
 
 
 def format_table(results: list[Result], modes) -> str:
-    peers = [p for p in dict.fromkeys(r.provider for r in results) if p != OURS]
+    """Our rows, a column of ratios per peer that ran beside us (a peer unavailable on every case has none)."""
+    ours = [r for r in results if r.provider == OURS and not r.unavailable]
+    peers = [p for p in dict.fromkeys(r.provider for r in results) if any(p in r.ratios for r in ours)]
     lines = []
     header = f"{'case':<22}{'mode':<9}{'ms':>9}{'TFLOP/s':>9}{'max err':>10}{'peak MiB':>10}{'1st s':>8}"
     lines.append(header + "".join(f"{'x ' + p:>17}" for p in peers))
-    for r in results:
-        if r.provider != OURS or r.unavailable:
-            continue
+    for r in ours:
         for mode in (m for m in modes if m in r.ms):
             ratios = [r.ratios.get(p, {}).get(mode) for p in peers]
             memory = f"{r.peak_extra_mib:>10.1f}" if r.peak_extra_mib is not None else f"{'-':>10}"
-            row = f"{r.case.name:<22}{mode:<9}{r.ms[mode]:>9.3f}{r.tflops[mode]:>9.1f}{r.max_error:>10.1e}{memory}"
-            row += f"{r.first_call_s:>8.2f}"
+            row = f"{r.case.name:<22}{mode:<9}{r.ms[mode]:>9.3f}{_tflops(r.tflops[mode]):>9}"
+            row += f"{r.max_error:>10.1e}{memory}{r.first_call_s:>8.2f}"
             lines.append(row + "".join(f"{x:>17.2f}" if x else f"{'-':>17}" for x in ratios))
     return "\n".join(lines)
+
+
+TABLE_LEGEND = (
+    f"ms, TFLOP/s: {OURS}'s medians; max err: against an fp32 reference; peak MiB: the allocator's peak in one\n"
+    "fwd+bwd beyond what was allocated before it; 1st s: the first fwd+bwd call's seconds, JIT compile included;\n"
+    f"x peer: peer ms / {OURS} ms (above 1: {OURS} is faster)"
+)
+
+
+def first_calls(results: list[Result]) -> str:
+    """Each provider's slowest first call (compile included) over the cases, on one line."""
+    timed = [r for r in results if r.first_call_s is not None]
+    slowest = {
+        p: max((r for r in timed if r.provider == p), key=lambda r: r.first_call_s)
+        for p in dict.fromkeys(r.provider for r in timed)
+    }
+    parts = [f"{p} {r.first_call_s:.2f} s ({r.case.name})" for p, r in slowest.items()]
+    return "first fwd+bwd call, JIT compile included, slowest case: " + (", ".join(parts) or "none ran")
+
+
+def unavailable_lines(results: list[Result]) -> list[str]:
+    """One line per provider and reason: the cases it could not run."""
+    cases = {r.case for r in results}
+    missed: dict[tuple[str, str], list[str]] = {}
+    for r in results:
+        if r.unavailable:
+            missed.setdefault((r.provider, r.unavailable), []).append(r.case.name)
+    return [
+        f"unavailable: {provider} on {f'all {len(names)} cases' if len(names) == len(cases) > 1 else ', '.join(names)}"
+        f": {why}"
+        for (provider, why), names in missed.items()
+    ]
 
 
 def plot(records: list[dict], modes, path: str, title: str) -> None:
@@ -533,59 +640,93 @@ def _resumable(path: str, env: dict, sweep: dict, cases) -> tuple[dict, list[Res
     return header["environment"], kept
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="flashtriton bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few cases only (what `make demo` runs)")
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
-    parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The bench's options (``flashtriton bench`` and ``flashtriton demo``)."""
+    parser.add_argument(
+        "--quick", action="store_true", help="one head dim and one length unless given (what `demo` runs)"
+    )
+    parser.add_argument(
+        "--head-dims", type=int, nargs="+", help="default 64 128 256 (CPU: 64; --quick: 128 on a GPU, 64 on a CPU)"
+    )
+    parser.add_argument(
+        "--seqlens", type=int, nargs="+", help="default 512 to 16384 (CPU: 512 1024 2048; --quick: 4096, CPU 1024)"
+    )
     parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    parser.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(PROVIDERS))
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], help="default bfloat16 (CPU: float32)")
     parser.add_argument(
-        "--rounds", type=int, default=3, help="timing rounds per case, the provider order rotated (default 3)"
+        "--providers",
+        nargs="+",
+        choices=list(PROVIDERS),
+        metavar="PROVIDER",
+        help=f"any of {', '.join(PROVIDERS)} (default: all)",
     )
-    parser.add_argument("--out", default="bench-out", help="folder for results.json and bench.png")
-    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument(
+        "--rounds", type=_at_least_one, default=3, help="timing rounds per case, the provider order rotated (default 3)"
+    )
+    parser.add_argument("--out", default="bench-out", help="folder for results.json and bench.png (default bench-out)")
+    parser.add_argument("--no-plots", action="store_true", help="do not draw bench.png")
     parser.add_argument(
         "--resume", metavar="RESULTS_JSON", help="continue a run cut short: keep its finished cases, measure the rest"
     )
-    args = parser.parse_args(argv)
 
+
+PLOT_NEEDS = "matplotlib is not installed: pip install 'flashtriton[bench]' adds it"
+
+
+def run(args: argparse.Namespace) -> int:
+    """The sweep ``add_arguments``' options describe: results.json after every case, then the plot and the table."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    providers = args.providers or list(PROVIDERS)
+    head_dims, seqlens, dtype, notes = sweep_choices(args, device)
     causal_options = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
-    if args.quick:
-        args.head_dims, args.seqlens = [128], ([4096] if device.type == "cuda" else [1024])
-    if device.type != "cuda":
-        args.seqlens = [n for n in args.seqlens if n <= 2048] or [1024]
-    cases = default_cases(device, args.head_dims, args.seqlens, causal_options, args.dtype)
+    cases = default_cases(device, head_dims, seqlens, causal_options, dtype)
 
-    os.makedirs(args.out, exist_ok=True)
-    json_path = os.path.join(args.out, "results.json")
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = str(out / "results.json")
+    plot_path, plot_skipped = str(out / "bench.png"), None
+    if args.no_plots:
+        plot_skipped = "--no-plots"
+    elif importlib.util.find_spec("matplotlib") is None:
+        plot_skipped = PLOT_NEEDS
+        notes.append(f"the plot will be skipped ({PLOT_NEEDS}); the table and results.json still come out")
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"writing {json_path} after every case", file=sys.stderr)
+
     env = environment()
     header = {"schema": SCHEMA, "definitions": DEFINITIONS, "environment": env, "device": str(device)}
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     header["sweep"] = {
-        "modes": args.modes, "providers": args.providers, "dtype": cases[0].dtype, "rounds": args.rounds,
-        "timing": TIMING,
+        "modes": args.modes, "providers": providers, "dtype": dtype, "rounds": args.rounds, "timing": TIMING,
     }  # fmt: skip
     results = []
     if args.resume:
         header["resumed_environment"], results = _resumable(args.resume, env, header["sweep"], cases)
-    finished = {r.case for r in results}
-    for case in _progress([c for c in cases if c not in finished]):
-        results += run_case(case, args.providers, device, args.modes, args.rounds)
+    todo = [c for c in cases if c not in {r.case for r in results}]
+    for case in _progress(todo, _weights(todo, device)):
+        results += run_case(case, providers, device, args.modes, args.rounds)
         attach_ratios(results)
         _write_json(json_path, header, results, complete=False)
-    results.sort(key=lambda r: (cases.index(r.case), args.providers.index(r.provider)))
+    results.sort(key=lambda r: (cases.index(r.case), providers.index(r.provider)))
     _write_json(json_path, header, results, complete=True)
-    if not args.no_plots:
+    if plot_skipped is None:
         source = env.get("commit", env["source_digest"])[:10]
-        title = f"{env.get('gpu', device)}, {cases[0].dtype}, flashtriton {source}"
-        plot([asdict(r) for r in results], args.modes, os.path.join(args.out, "bench.png"), title)
-    for r in results:
-        if r.unavailable:
-            print(f"unavailable: {r.provider} on {r.case.name}: {r.unavailable}")
+        title = f"{env.get('gpu', device)}, {dtype}, flashtriton {source}"
+        plot([asdict(r) for r in results], args.modes, plot_path, title)
+
+    for line in unavailable_lines(results):
+        print(line)
     print(format_table(results, args.modes))
+    print(TABLE_LEGEND)
+    print(first_calls(results))
+    print(f"results: {json_path}")
+    print(f"plot: {plot_path}" if plot_skipped is None else f"plot: skipped ({plot_skipped})")
     return 0

@@ -47,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import linecache
+import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,14 +56,17 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 _MOD_ARGS = ("b", "h", "q_idx", "kv_idx")
 
 
 def _is_jit(fn: object) -> bool:
-    return isinstance(fn, (JITFunction, InterpretedFunction))
+    if isinstance(fn, JITFunction):
+        return True
+    # Triton's interpreter needs numpy, so it is not imported here; an InterpretedFunction exists only once it is loaded
+    interpreter = sys.modules.get("triton.runtime.interpreter")
+    return interpreter is not None and isinstance(fn, interpreter.InterpretedFunction)
 
 
 def _name(fn) -> str:
