@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .interface import flash_attn_func
-from .ops import BACKEND_ENV
+from .route import BACKEND_ENV
 from .validation import check_head_dim
 
 HEAD_DIMS = (64, 128, 256)
