@@ -1,14 +1,17 @@
-"""Kernel A/Bs by CUDA-graph replay, for the scripts under benchmarks/results (NOTES.md's measurements).
+"""A/B timing on one GPU: variants (two builds, two configs) timed call for call in turn.
 
-Each variant's call is captured as one graph of ``reps`` calls, so that host time never shows; the graphs are
-replayed in turn, the order rotated every round so that none always runs first, with CUDA events around each
-replay and a synchronize only every few rounds.
+A GPU at its power cap drifts in clock under load, and a variant timed in a block of its own was decided by its
+place in the round (benchmarks/DECISIONS.md, "Measurement method"). So ``in_turn`` takes the variants' calls one of
+each in turn, the first of them rotated from pass to pass, with CUDA events around every call, and returns each
+variant's median per round:
 
-    graphs = {name: capture(fn) for name, fn in variants.items()}
-    times = rotated({name: g for name, (g, _) in graphs.items()})
-    print({name: quartiles(t) for name, t in times.items()})
+    eager = in_turn(calls, rounds=7, passes=passes_for(calls, 150, flush=True), flush=True)
+    graphs = {name: capture(fn)[0] for name, fn in calls.items()}
+    replays = {name: g.replay for name, g in graphs.items()}
+    replayed = in_turn(replays, rounds=7, passes=passes_for(replays, 150, per_call=REPS), per_call=REPS)
 
-paper_case and cudnn make a case of the bench's sweep and SDPA's cuDNN call on it; save writes a script's rows.
+Eager calls after an L2 flush are what ``flashtriton bench`` times (host time included); CUDA-graph replays of
+``REPS`` calls leave the host out. ``paper_case`` makes inputs of the bench's sweep; ``save`` writes a script's rows.
 """
 
 from __future__ import annotations
@@ -18,42 +21,24 @@ import statistics
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashtriton.params import NO_BOUND, AttentionParams
+DEVICE = "cuda"
+TOKENS, HIDDEN = 16384, 2048  # the bench's sweep (the FlashAttention-2 paper's): batch * seqlen, heads * head_dim
+REPS = 10  # calls captured per graph, so that a short call's replay is not all launch
+FLUSH_BYTES = 256 * 2**20  # written before each eager call: more than any Hopper L2 holds
+MAX_PASSES = 2000  # events pending per round stay bounded for calls of a few microseconds
 
-REPS = 10
 
-
-def paper_case(head_dim: int, seqlen: int, causal: bool, count: int = 3) -> tuple[list[torch.Tensor], AttentionParams]:
-    """count bf16 (B, N, H, D) tensors of the bench's sweep (B * N = 16k tokens, H * D = 2048), seeded, on the GPU,
-    and the params of a plain or causal call on them."""
+def paper_case(head_dim: int, seqlen: int, count: int = 3, requires_grad: bool = True) -> list[torch.Tensor]:
+    """count bf16 (B, N, H, D) tensors of the bench's sweep (B * N = 16k tokens, H * D = 2048), seeded, on the GPU."""
     torch.manual_seed(0)
-    shape = (16384 // seqlen, seqlen, 2048 // head_dim, head_dim)
-    tensors = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
-    return tensors, AttentionParams(head_dim**-0.5, window_right=0 if causal else NO_BOUND)
+    shape = (max(1, TOKENS // seqlen), seqlen, HIDDEN // head_dim, head_dim)
+    return [torch.randn(shape, device=DEVICE, dtype=torch.bfloat16, requires_grad=requires_grad) for _ in range(count)]
 
 
-def cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Callable[[], torch.Tensor]:
-    """SDPA pinned to its cuDNN backend on (B, N, H, D) inputs, as a call (its output is (B, H, N, D))."""
-    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-
-    def call() -> torch.Tensor:
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-
-    return call
-
-
-def save(path: str, rows: list[dict], **header) -> None:
-    """The rows so far as JSON under the GPU's name and header's fields (scripts save after every case)."""
-    with open(path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), **header, "rows": rows}, f, indent=1)
-
-
-def capture(fn: Callable[[], torch.Tensor], reps: int = REPS) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """(a graph of ``reps`` calls of fn after two warm-up calls, the last call's result, which each replay rewrites)."""
+def capture(fn: Callable[[], object], reps: int = REPS) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(a graph of ``reps`` calls of fn after two warm-up calls, the last call's result, which each replay rewrites).
+    The warm-up calls compile and record whatever a capture does not allow."""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
@@ -66,28 +51,45 @@ def capture(fn: Callable[[], torch.Tensor], reps: int = REPS) -> tuple[torch.cud
     return graph, result
 
 
-def rotated(graphs: dict[str, torch.cuda.CUDAGraph], rounds: int = 40, reps: int = REPS) -> dict[str, list[float]]:
-    """ms per call of each graph's calls (captured ``reps`` to a graph), one replay per round each."""
-    names = list(graphs)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    pending = []
-    for i in range(rounds):
-        shift = i % len(names)
-        for name in names[shift:] + names[:shift]:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graphs[name].replay()
-            end.record()
-            pending.append((name, start, end))
-        if i % 8 == 7 or i == rounds - 1:
-            torch.cuda.synchronize()
-            for name, start, end in pending:
-                times[name].append(start.elapsed_time(end) / reps)
-            pending = []
-    return times
+def in_turn(
+    runs: dict[str, Callable[[], object]], rounds: int, passes: int, per_call: int = 1, flush: bool = False
+) -> dict[str, list[float]]:
+    """Each name's median ms per call in each of ``rounds`` rounds. A round is ``passes`` passes; a pass runs every
+    name once, in turn, the first name rotated from pass to pass; CUDA events around each run (which makes
+    ``per_call`` calls); with ``flush``, L2 is overwritten before each run. One synchronize per round."""
+    names = list(runs)
+    buffer = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=DEVICE) if flush else None
+    medians: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        pending: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {name: [] for name in names}
+        for p in range(passes):
+            shift = (r + p) % len(names)
+            for name in names[shift:] + names[:shift]:
+                if buffer is not None:
+                    buffer.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                runs[name]()
+                end.record()
+                pending[name].append((start, end))
+        torch.cuda.synchronize()
+        for name, events in pending.items():
+            medians[name].append(statistics.median(s.elapsed_time(e) for s, e in events) / per_call)
+    return medians
 
 
-def quartiles(times: list[float]) -> list[float]:
-    """[first quartile, median, third quartile]."""
-    ordered = sorted(times)
-    return [ordered[len(ordered) // 4], statistics.median(ordered), ordered[3 * len(ordered) // 4]]
+def passes_for(
+    runs: dict[str, Callable[[], object]], round_ms: float, per_call: int = 1, flush: bool = False, least: int = 5
+) -> int:
+    """Passes per round that give each name about ``round_ms`` of its own runs (at least ``least``), from one timed
+    pass after one untimed."""
+    in_turn(runs, rounds=1, passes=1, per_call=per_call, flush=flush)
+    one = in_turn(runs, rounds=1, passes=1, per_call=per_call, flush=flush)
+    longest = max(times[0] * per_call for times in one.values())
+    return max(least, min(MAX_PASSES, round(round_ms / max(longest, 1e-3))))
+
+
+def save(path: str, rows: list[dict], **header) -> None:
+    """The rows so far as JSON under the GPU's name and header's fields (scripts save after every case)."""
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), **header, "rows": rows}, f, indent=1)

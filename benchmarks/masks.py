@@ -22,8 +22,6 @@ import torch.nn.functional as F
 import triton
 
 import flashtriton
-from flashtriton import block_mask as fbm
-from flashtriton import mods
 
 WINDOW = 1024
 DOCUMENTS = 8
@@ -64,6 +62,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("masks.py times kernels on a CUDA GPU, and this machine has none")
     from torch.nn.attention.flex_attention import create_block_mask as flex_block_mask
 
     torch._dynamo.config.recompile_limit = 64
@@ -84,9 +84,9 @@ def main() -> None:
         return (doc_ids[qi] == doc_ids[ki]) & (ki <= qi)
 
     # block masks are built once, outside the timed region, as Flex's are
-    window_bm = fbm.create_block_mask(mods.sliding_window_mask(WINDOW), None, None, n, n, device=dev)
-    document_mod = mods.and_masks(mods.document_mask(doc_ids), mods.causal_mask())
-    document_bm = fbm.create_block_mask(document_mod, None, None, n, n, device=dev)
+    window_bm = flashtriton.create_block_mask(flashtriton.sliding_window_mask(WINDOW), None, None, n, n, device=dev)
+    document_mod = flashtriton.and_masks(flashtriton.document_mask(doc_ids), flashtriton.causal_mask())
+    document_bm = flashtriton.create_block_mask(document_mod, None, None, n, n, device=dev)
     cases = {
         "window1024": {
             "flashtriton (window_size)": lambda: flashtriton.flash_attn_func(q, k, v, window_size=(WINDOW, 0)),
@@ -119,7 +119,7 @@ def main() -> None:
     for density in (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0):
         layout = torch.rand(1, 1, tiles, tiles, generator=generator) < density
         layout[..., torch.arange(tiles), torch.arange(tiles)] = True  # no empty query tile
-        bm = fbm.BlockMask.from_layout(layout.to(dev), block_size=(128, 128), seqlen_q=n, seqlen_k=n)
+        bm = flashtriton.BlockMask.from_layout(layout.to(dev), block_size=(128, 128), seqlen_q=n, seqlen_k=n)
         dense = layout.to(dev)
 
         def flex_layout(b, hh, qi, ki, dense=dense):

@@ -1,9 +1,11 @@
-"""Sweep launch configs of the Triton kernels on the local GPU; each candidate is checked against
+"""Sweep launch configs of the portable Triton kernels on the local GPU; each candidate is checked against
 the reference before it is timed. Prints the best per case and writes every row as JSON.
 
-    PYTHONPATH=src python benchmarks/tune.py --out results/tune.json [--head-dims 64 128] [--seqlen 8192]
+    PYTHONPATH=src python benchmarks/tune.py --out tune.json [--head-dims 64 128] [--seqlen 8192]
 
-The winners go into src/flashtriton/kernels/config.py by hand, with the numbers in NOTES.md.
+The winners go into src/flashtriton/kernels/config.py by hand, with the numbers in benchmarks/DECISIONS.md.
+A case that the portable kernels do not serve (on Hopper, the Gluon kernels' head dims) is reported and skipped:
+every candidate would time the same kernel. FLASHTRITON_AUTOTUNE=1 tunes the forward at run time instead.
 """
 
 from __future__ import annotations
@@ -62,10 +64,14 @@ def sweep(head_dim, causal, seqlen, mode, dtype=torch.bfloat16):
     rows = []
     candidates = FWD_CANDIDATES if mode == "fwd" else BWD_CANDIDATES
     target = "forward_config" if mode == "fwd" else "backward_config"
+    served = []  # whether the portable kernels asked for a config: on Hopper the Gluon kernels may serve the case
     for cfg in candidates:
-        with mock.patch.object(config, target, lambda *a, cfg=cfg, **kw: cfg):
+        with mock.patch.object(config, target, lambda *a, cfg=cfg, **kw: served.append(True) or cfg):
             try:
                 err = _error(q, k, v, causal, mode)
+                if not served:
+                    return {"head_dim": head_dim, "causal": causal, "seqlen": seqlen, "mode": mode, "rows": [],
+                            "best": None, "skipped": "the portable kernels do not serve this case"}  # fmt: skip
                 if mode == "fwd":
                     fn = lambda: flash_attn_func(q, k, v, causal=causal)
                 else:
@@ -81,17 +87,22 @@ def sweep(head_dim, causal, seqlen, mode, dtype=torch.bfloat16):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--seqlen", type=int, default=8192)
     parser.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"])
     parser.add_argument("--out", default="tune.json")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("tune.py times kernels on a CUDA GPU, and this machine has none")
     results = []
     for head_dim, causal, mode in itertools.product(args.head_dims, (False, True), args.modes):
         res = sweep(head_dim, causal, args.seqlen, mode)
         results.append(res)
         b = res["best"]
+        if "skipped" in res:
+            print(f"d={head_dim} causal={causal} {mode}: skipped, {res['skipped']}", flush=True)
+            continue
         print(
             f"d={head_dim} causal={causal} {mode}: best {b and b['config']} {b and round(b['tflops'])} TFLOP/s",
             flush=True,
