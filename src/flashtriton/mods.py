@@ -50,7 +50,7 @@ import linecache
 import sys
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -73,6 +73,14 @@ def _name(fn) -> str:
     return fn.fn.__qualname__
 
 
+_REGISTERED: dict[str, tuple] = {}  # Mod.key -> (fn, grad)
+
+
+def registered(key: str) -> tuple:
+    """The (fn, grad) a Mod's key names."""
+    return _REGISTERED[key]
+
+
 @dataclass(frozen=True, eq=False)
 class Mod:
     """A mask_mod or score_mod: the @triton.jit function, the tensors it reads, and (score mods) its derivative.
@@ -87,6 +95,7 @@ class Mod:
     fn: Any
     tensors: tuple[torch.Tensor, ...] = ()
     grad: Any = None
+    key: str = field(init=False, repr=False)  # names fn and grad in the custom ops' schema (registered)
 
     def __post_init__(self):
         if not _is_jit(self.fn):
@@ -101,13 +110,20 @@ class Mod:
                 raise ValueError(f"Mod.tensors[{i}] of {self.name} is not contiguous: pass tensor.contiguous()")
         if len({t.device for t in self.tensors}) > 1:
             raise ValueError(f"the tensors of {self.name} are on different devices: move them to one with Mod.to")
+        # registered here, in plain Python, so that a compiled graph (which reads only the key) finds the functions
+        key = f"{self.name}@{id(self.fn):x}:{id(self.grad):x}"
+        _REGISTERED[key] = (self.fn, self.grad)
+        object.__setattr__(self, "key", key)
 
     @property
     def name(self) -> str:
         return _name(self.fn)
 
     def to(self, device: torch.device | str) -> Mod:
-        """The same mod with its tensors on ``device``."""
+        """The same mod with its tensors on ``device`` (itself when they are there: no new Mod inside a trace)."""
+        device = torch.device(device)
+        if all(t.device == device for t in self.tensors):
+            return self
         return Mod(self.fn, tuple(t.to(device) for t in self.tensors), self.grad)
 
     def __repr__(self) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .block_mask import LIST_FIELDS, BlockMask
-from .mods import Mod
+from .mods import Mod, registered
 from .params import AttentionParams
 
 _PLAIN_TYPES = {"float": "float", "int": "int", "bool": "bool", "torch.Tensor | None": "Tensor?"}
@@ -28,27 +28,15 @@ class _Codec:
     decode: Callable[..., Any]  # from the arguments' values, in order
 
 
-# User mod functions cannot be schema arguments: they travel as registry keys, their tensors as lists. The key is made
-# outside any trace (assume_constant_result runs it for real while tracing and keeps its result as a constant), so
-# a compiled graph's op finds its functions registered when it runs.
-_FUNCTIONS: dict[str, tuple] = {}
-
-
-@torch.compiler.assume_constant_result
-def _register(fn, grad) -> str:
-    key = f"{fn.fn.__qualname__}@{id(fn):x}:{id(grad):x}"
-    _FUNCTIONS[key] = (fn, grad)
-    return key
-
-
 def _encode_mod(mod: Mod | None) -> tuple[str, list[torch.Tensor]]:
-    return ("", []) if mod is None else (_register(mod.fn, mod.grad), list(mod.tensors))
+    """User mod functions cannot be schema arguments: they travel as their Mod's registry key, tensors as a list."""
+    return ("", []) if mod is None else (mod.key, list(mod.tensors))
 
 
 def _decode_mod(key: str, tensors: list[torch.Tensor]) -> Mod | None:
     if not key:
         return None
-    fn, grad = _FUNCTIONS[key]
+    fn, grad = registered(key)
     return Mod(fn, tuple(tensors), grad)
 
 
