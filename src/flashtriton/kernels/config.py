@@ -107,6 +107,15 @@ class HopperBackwardConfig:
         return rows if self.dq is None else math.lcm(rows, 2 * self.dq.block_m, self.dq.block_n)
 
 
+# The Gluon kernels' partitions (kernels/hopper/). Every kernel launches with num_warps = HOPPER_NUM_WARPS, its
+# default partition being one consumer warpgroup (wgmma's 4 warps); the other consumer warpgroups and the producer
+# warp, which only issues TMA loads, are worker partitions. Registers per thread of each worker (setmaxnreg), out of
+# the SM's 64K: 232 for each of two consumer warpgroups, 160 for each of three.
+HOPPER_NUM_WARPS = 4
+HOPPER_PRODUCER_WARPS = 1
+HOPPER_PRODUCER_REGISTERS = 24
+HOPPER_CONSUMER_REGISTERS = {2: 232, 3: 160}  # by the kernel's consumer warpgroups
+
 # The most K/V heads in one group of order_programs.
 ORDER_HEADS = 16
 
