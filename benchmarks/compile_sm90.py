@@ -1,13 +1,16 @@
 """Compile every kernel variant for Hopper (sm90) on a machine without a GPU, through the real launchers.
 
-    python benchmarks/compile_sm90.py [--head-dims 64 128 256 96] [--seqlen 2048]
+    python benchmarks/compile_sm90.py [--head-dims 64 128 256 96] [--seqlen 2048] [--cases dense causal]
+                                      [--whole] [--json]
 
 For each head dim, feature set (dense, causal, window, long window, all features, varlen, block mask)
-and sequence length (the one given: whole tiles; and one less: a ragged last tile), the forward and
-backward launchers run with CPU tensors while a stand-in driver reports an sm90 GPU and kernels are
-compiled, not launched. Prints registers and spill (stack) bytes per kernel from the cubin, and exits
-non-zero if any build fails: Triton 3.6's ptxas segfaults on some TMA kernels (benchmarks/NOTES.md
-item 12), so run this after touching kernels/config.py and before spending GPU time.
+and sequence length (the one given: whole tiles; and, unless --whole, one less: a ragged last tile), the
+forward and backward launchers run with CPU tensors while a stand-in driver reports an sm90 GPU and kernels
+are compiled, not launched. Prints registers and spill (stack) bytes per kernel from the cubin (--json: one
+JSON object, build name to {"kernels": [[kernel, registers, stack bytes], ...], "error": null or why}), and
+exits non-zero if any build fails: Triton 3.6's ptxas segfaults on some TMA kernels, so run this after
+touching kernels/config.py and before spending GPU time. tests/test_sm90_build.py runs it on a few builds.
+Run it without TRITON_INTERPRET=1: under the interpreter @triton.jit kernels are not compiled.
 Depends on Triton 3.6 internals (runtime driver, JITFunction.run): a tool, not part of the package.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import re
 import subprocess
 import sys
@@ -122,32 +126,49 @@ def _cases(n: int, head_dim: int) -> dict:
     }
 
 
+def build(head_dim: int, n: int, case: str) -> dict:
+    """Compiles the forward and backward kernels that one case's call launches: {"kernels": [(kernel, registers,
+    stack bytes), ...] in launch order, "error": None, or why a build failed (the kernels built before it)}."""
+    varlen, params = _cases(n, head_dim)[case]
+    shape = (n, 8, head_dim) if varlen else (2, n, 8, head_dim)
+    q = torch.randn(shape, dtype=torch.bfloat16)
+    k, v = (torch.randn(*shape[:-2], 4, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    with compile_only() as built:
+        try:
+            out, lse = triton_backend.forward(q, k, v, params)
+            triton_backend.backward(out, torch.zeros_like(lse), q, k, v, out, lse, params)
+            error = None
+        except Exception as failure:  # a failed build is the finding: report it and go on
+            cause = failure
+            while cause.__cause__ is not None:  # a CompilationError quotes the source; its cause says why
+                cause = cause.__cause__
+            why = (str(cause).strip().splitlines() or [""])[-1][:200]
+            error = f"{type(failure).__name__}: {why}"
+    return {"kernels": built, "error": error}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256, 96])
     parser.add_argument("--seqlen", type=int, default=2048)
+    parser.add_argument("--cases", nargs="+", choices=list(_cases(256, 64)), help="default: all")
+    parser.add_argument("--whole", action="store_true", help="only the given seqlen, not also a ragged one less")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a line per build")
     args = parser.parse_args()
-    failures = 0
+    results = {}
     for head_dim in args.head_dims:
-        for n in (args.seqlen, args.seqlen - 1):
-            for name, (varlen, params) in _cases(n, head_dim).items():
-                shape = (n, 8, head_dim) if varlen else (2, n, 8, head_dim)
-                q = torch.randn(shape, dtype=torch.bfloat16)
-                k, v = (torch.randn(*shape[:-2], 4, head_dim, dtype=torch.bfloat16) for _ in range(2))
-                with compile_only() as built:
-                    try:
-                        out, lse = triton_backend.forward(q, k, v, params)
-                        triton_backend.backward(out, torch.zeros_like(lse), q, k, v, out, lse, params)
-                        result = "  ".join(f"{kernel[10:]} {regs}r/{stack}B" for kernel, regs, stack in built)
-                    except Exception as error:  # a failed build is the finding: report it and go on
-                        failures += 1
-                        cause = error
-                        while cause.__cause__ is not None:  # a CompilationError quotes the source; its cause says why
-                            cause = cause.__cause__
-                        why = (str(cause).strip().splitlines() or [""])[-1][:200]
-                        result = f"FAILED after {[kernel for kernel, _, _ in built]}: {type(error).__name__}: {why}"
-                print(f"d{head_dim} N={n} {name:12s} {result}", flush=True)
-    print(f"{failures} failed builds")
+        for n in (args.seqlen,) if args.whole else (args.seqlen, args.seqlen - 1):
+            for case in args.cases or _cases(n, head_dim):
+                name = f"d{head_dim} N={n} {case}"
+                results[name] = result = build(head_dim, n, case)
+                if not args.json:
+                    if result["error"] is None:
+                        line = "  ".join(f"{kernel[10:]} {regs}r/{stack}B" for kernel, regs, stack in result["kernels"])
+                    else:
+                        line = f"FAILED after {[kernel for kernel, _, _ in result['kernels']]}: {result['error']}"
+                    print(f"d{head_dim} N={n} {case:12s} {line}", flush=True)
+    failures = sum(result["error"] is not None for result in results.values())
+    print(json.dumps(results) if args.json else f"{failures} failed builds")
     return 1 if failures else 0
 
 

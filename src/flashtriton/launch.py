@@ -2,9 +2,9 @@
 
 ``kernel[grid](...)`` binds and specialises every argument in Python on each call (Triton 3.6's
 JITFunction.run: the binder, the cache key, the launch metadata), and each Gluon tensor descriptor
-validates itself when built: about 0.1 ms of host time per fwd+bwd for these kernels' 30-odd arguments
-(benchmarks/NOTES.md 33). At N <= 1k the kernels' GPU time is of that order, so ``Launcher`` keeps each
-compiled kernel under a key of what Triton specialises on and calls it directly:
+validates itself when built: about 0.1 ms of host time per fwd+bwd for these kernels' 30-odd arguments.
+At N <= 1k the kernels' GPU time is of that order, so ``Launcher`` keeps each compiled kernel under a key of
+what Triton specialises on and calls it directly:
 
   tensor          dtype, data pointer 16-byte aligned
   integer         == 1 (a constant), multiple of 16, 32-bit, below 2**63
@@ -14,9 +14,10 @@ compiled kernel under a key of what Triton specialises on and calls it directly:
 
 A key seen for the first time goes through Triton's own path, which compiles or finds the kernel and
 launches it. With a launch hook set (a profiler's; benchmarks/compile_sm90.py's), every call takes
-Triton's path and nothing is kept.
+Triton's path and nothing is kept; so does every call where Triton's private API is off
+(kernels/triton_compat.py: another Triton release than the one this was written against).
 
-Even so a small call spends more time on the host than its kernels take on the GPU (NOTES 53): the key
+Even so a small call spends more time on the host than its kernels take on the GPU: the key
 itself, Triton's launcher expanding each descriptor and filling its TMA map, and the backend's choices
 around the launch. So a call can also be kept whole: ``Launcher.bind`` launches and returns a ``Bound``,
 the C launcher's argument list with a slot per tensor, and a ``Recorder`` notes a call's allocations and
@@ -26,17 +27,16 @@ bound launches as a ``Plan`` that later calls of the same layout replay with the
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import BuiltinFunctionType
 from typing import Any, NamedTuple
 
 import torch
 from triton import knobs
-from triton.backends.nvidia import driver as nvidia_driver
-from triton.backends.nvidia.driver import make_tensordesc_arg
 from triton.experimental.gluon.language import NVMMASharedLayout
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
+
+from .kernels.triton_compat import PRIVATE_API_OK, c_launcher, tensordesc_arg
 
 
 class Descriptor(NamedTuple):
@@ -91,7 +91,7 @@ class Launcher:
     """``Launcher(kernel)[grid](*args, **kwargs)`` runs like ``kernel[grid](...)``, Descriptor arguments
     standing for Gluon tensor descriptors; ``Launcher(kernel).bind(grid)(...)`` also returns the launch's
     Bound and the tensors in its slots, or (None, []) where Triton launched it. A kernel that Triton's
-    interpreter runs goes through it every time."""
+    interpreter runs goes through it every time, as every kernel does where Triton's private API is off."""
 
     def __init__(self, fn: JITFunction):
         self.fn = fn
@@ -127,7 +127,8 @@ class Launcher:
             kernel = self.fn.run(*gluon, grid=grid, warmup=False, **kwargs)
             if kernel is None or hooked():  # None: compiling in the background
                 return None, values, device
-            self.kernels[key] = kernel
+            if PRIVATE_API_OK:  # kernel.run below is the C launcher's own calling convention
+                self.kernels[key] = kernel
             return kernel, values, device
         stream = driver.active.get_current_stream(device)
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
@@ -149,13 +150,9 @@ class _Maps:
         if tensor_map is None:
             if len(self.maps) >= 16:  # the caching allocator hands a loop a few addresses; others come and go
                 self.maps.clear()
-            tensor_map = make_tensordesc_arg(self.descriptor._replace(base=base), self.meta)[0]
+            tensor_map = tensordesc_arg(self.descriptor._replace(base=base), self.meta)[0]
             self.maps[address] = tensor_map
         return tensor_map
-
-
-# grid x, y, z, stream, function, cooperative, PDL, two scratch buffers, metadata, launch metadata, two hooks
-_BASE_ARGS = "iiiKKppOOOOOO"
 
 
 class Bound:
@@ -163,9 +160,9 @@ class Bound:
     (what its Python wrapper builds per launch: the base arguments, each descriptor expanded into its TMA map,
     shape and strides), with a slot per tensor argument and per descriptor's map.
 
-    Built from Triton 3.6's launcher (``CompiledKernel.run``: a ``CudaLauncher``, whose ``launch`` wraps the C
-    entry point in a closure that expands descriptors, after 13 base arguments); where that is not its shape
-    (another Triton), or the kernel needs scratch memory, there is no Bound and calls take Launcher's path."""
+    Built from the C entry point that triton_compat.c_launcher finds in the compiled kernel's launcher; where it
+    finds none (another Triton, a kernel that needs scratch memory), there is no Bound and calls take Launcher's
+    path."""
 
     def __init__(self, c_launch: Callable, template: list, slots: list[tuple[int, _Maps | None]], device: int):
         self.c_launch, self.template, self.slots, self.device = c_launch, template, slots, device
@@ -176,19 +173,10 @@ class Bound:
         if kernel is None:
             return None, []
         run = kernel.run
-        if nvidia_driver._BASE_ARGS_FORMAT != _BASE_ARGS or type(run).__name__ != "CudaLauncher":
+        entry = c_launcher(run)
+        if entry is None:
             return None, []
-        if run.global_scratch_size or run.profile_scratch_size:
-            return None, []
-        c_launch, descriptors, metas = run.launch, set(), []
-        if not isinstance(c_launch, BuiltinFunctionType):  # wrapped: the kernel takes descriptors
-            if getattr(c_launch, "__code__", None) is None:
-                return None, []
-            free = c_launch.__code__.co_freevars
-            cells = {name: cell.cell_contents for name, cell in zip(free, c_launch.__closure__ or (), strict=True)}
-            c_launch, descriptors, metas = (cells.get(n) for n in ("launcher", "tensordesc_indices", "tensordesc_meta"))
-            if not isinstance(c_launch, BuiltinFunctionType) or not metas or None in metas:
-                return None, []
+        c_launch, descriptors, metas = entry
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
         template = [grid_x, grid_y, grid_z, None, kernel.function, run.launch_cooperative_grid, run.launch_pdl]
         template += [None, None, kernel.packed_metadata, None, None, None]  # scratch, metadata, hooks
@@ -198,7 +186,7 @@ class Bound:
                 meta = next(metas)
                 slots.append((len(template), _Maps(value, meta)))
                 tensors.append(value.base)
-                template += [None, *make_tensordesc_arg(value, meta)[1:]]
+                template += [None, *tensordesc_arg(value, meta)[1:]]
             elif isinstance(value, torch.Tensor):
                 slots.append((len(template), None))
                 tensors.append(value)

@@ -86,9 +86,9 @@ def attention_backward_dq_convert_kernel(
 ):  # fmt: skip
     """Grid (rows / BLOCK_M, COLS / HALF): DQ (rows x COLS, contiguous, in the gradients' dtype) from the fused
     Hopper backward's fp32 sums of the same size, a tile of BLOCK_M x HALF per program. FRAGMENTS: the sums are laid
-    out for the kernel's reductions: a tile's values as hopper._fragments orders a wgmma accumulator (BLOCK_M = 64),
-    the buffer's rows as (row tile, fragment row) and its columns as (column tile, FRAGMENT_COLS). Else row-major,
-    as DQ."""
+    out for the kernel's reductions: a tile's values as hopper/dkdv.py's _fragments orders a wgmma accumulator
+    (BLOCK_M = 64), the buffer's rows as (row tile, fragment row) and its columns as (column tile, FRAGMENT_COLS).
+    Else row-major, as DQ."""
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     if FRAGMENTS:
@@ -266,8 +266,8 @@ def attention_backward_dkdv_kernel(
         else:
             # the band's stretches of query tiles: lower edge (masked), whole tiles, upper edge (masked),
             # ragged last tile (masked, bounds-checked; none when N_Q is a whole number of tiles)
-            # Without window bounds, TMA folds the ragged tile into the trailing edge (one loop body
-            # fewer; H200, N=4095: backward -8 to -11%; banded cases lost 5-28% with it)
+            # Without window bounds, TMA folds the ragged tile into the trailing edge: one loop body
+            # fewer, faster unbanded (banded cases lose with it)
             FOLD: tl.constexpr = Q_DESC is not None and not (EVEN_M or LEFT or RIGHT)
             for i in tl.static_range(4 - (EVEN_M or FOLD)):
                 start, end = band_stretch(i, lo, full_lo, full_hi, hi, N_Q if FOLD else N_Q // BLOCK_M * BLOCK_M)

@@ -1,0 +1,140 @@
+"""The Gluon dQ kernel on sm90, warp-specialised: the deterministic backward's first kernel (dK/dV runs after it).
+
+Notation
+  B, H, HKV    batch, query heads, key/value heads; GROUP = H // HKV query heads share a K/V head
+  N            sequence length, of queries and keys alike (self-attention); VARLEN: the longest, sequence b being
+               rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] of the packed batch
+  D            head dim
+  BLOCK_M      query rows of one consumer warpgroup; a program has two
+  BLOCK_N      keys per streamed K/V tile
+
+Grid: (cdiv(N, 2 * BLOCK_M), B * H), laid out as the forward's tiles (causal: longest first). One program computes
+dQ and delta of 2 * BLOCK_M query rows of one head: each consumer warpgroup keeps its Q and dO rows resident, first
+takes delta = rowsum(dO * O) - dLSE, then streams the K/V tiles its rows see: S = Q K^T, dP = dO V^T,
+dQ += dS K. No atomics: the backward is bitwise reproducible.
+
+Numerics: P = exp2(S * qk_scale - LSE * LOG2E), the forward's natural-log LSE taken to base 2; dQ accumulates in fp32
+and is scaled by softmax_scale once, at the end.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from .primitives import (
+    CONSUMER_WARPS,
+    LOG2E,
+    PRODUCER_REGISTERS,
+    PRODUCER_WARPS,
+    TWO_CONSUMER_REGISTERS,
+    barriers,
+    fill,
+    give,
+    in_band,
+    key_tiles,
+    mma_layout,
+    operand_layout,
+    outside_band,
+    query_tile,
+    resident,
+    ring,
+    store,
+    take,
+    tiles,
+)
+
+
+@gluon.jit
+def _dq_producer(k_desc, v_desc, kv_ring, kv_row, col, n_tiles, BLOCK_N: gl.constexpr):
+    """Streams n_tiles (K, V) tiles from row kv_row on into kv_ring."""
+    for j in range(n_tiles):
+        row = kv_row + j * BLOCK_N
+        fill((k_desc, v_desc), ([row, col], [row, col]), kv_ring, j)
+
+
+@gluon.jit
+def _dq_consumer(dq_desc, q_smem, do_smem, kv_ring, q_bar, lse_ptr, delta_ptr, o_ptr, dlse_ptr, stride_o, out_row,
+                 col, first_row, key0, n_tiles, qk_scale, softmax_scale, window_left, CAUSAL: gl.constexpr,
+                 LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):  # fmt: skip
+    """One warpgroup's BLOCK_M query rows: first delta = rowsum(dO * O) - dLSE (the portable path's
+    preprocess kernel; stored for the dK/dV kernel), then for each streamed key tile S = Q K^T and
+    dP = dO V^T (from shared memory), and dQ += dS K with dS from registers."""
+    s_layout: gl.constexpr = mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(D)
+    a_layout: gl.constexpr = operand_layout(D)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = q_smem.dtype
+
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    dq = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+    rows = first_row + gl.arange(0, BLOCK_M, rows_s)
+    lse2 = gl.expand_dims(gl.load(lse_ptr + gl.arange(0, BLOCK_M, rows_s)) * LOG2E, 1)
+    tile: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    offsets = gl.expand_dims(gl.arange(0, BLOCK_M, gl.SliceLayout(1, tile)), 1) * stride_o
+    o = gl.load(o_ptr + offsets + gl.expand_dims(gl.arange(0, D, gl.SliceLayout(0, tile)), 0)).to(gl.float32)
+    mbarrier.wait(q_bar, 0)
+    delta = gl.convert_layout(gl.sum(o * do_smem.load(tile).to(gl.float32), 1), rows_s)
+    delta = delta - gl.load(dlse_ptr + gl.arange(0, BLOCK_M, rows_s))
+    gl.store(delta_ptr + gl.arange(0, BLOCK_M, rows_s), delta)
+    delta = gl.expand_dims(delta, 1)
+    for j in range(n_tiles):
+        k, v = take(kv_ring, j)
+        scores = warpgroup_mma(q_smem, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_smem, v.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        scores = warpgroup_mma_wait(1, deps=(scores, q_smem, k))[0]
+        p = gl.exp2(scores * qk_scale - lse2)
+        if CAUSAL:
+            first_col = key0 + j * BLOCK_N
+            if outside_band(first_row, first_row + BLOCK_M - 1, first_col, first_col + BLOCK_N - 1, window_left, LEFT):
+                cols = first_col + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+                p = gl.where(in_band(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), window_left, LEFT), p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=(dp, do_smem, v))[0]
+        ds = gl.convert_layout((p * (dp - delta)).to(dtype), a_layout)
+        dq = warpgroup_mma(ds, k, dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq, k))[0]
+        give(kv_ring, j)
+
+    store(dq_desc, dq * softmax_scale, q_smem, out_row, col)
+
+
+@gluon.jit
+def attention_backward_dq_sm90_kernel(
+    q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, O, DLSE, stride_o, stride_lb, stride_lh, N, H, GROUP,
+    qk_scale, softmax_scale, window_left, CU_SEQLENS,
+    CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    D: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """Grid (N / (2 * BLOCK_M), B * H): dQ (and delta) of 2 * BLOCK_M query rows, laid out as the forward's
+    program, K/V tiles through a ring of STAGES slots; O: the forward's output, rows stride_o apart in the
+    (rows, heads * D) view."""
+    b = gl.program_id(1) // H
+    h = gl.program_id(1) % H
+    m0, seq0, N, lse0 = query_tile(gl.program_id(0), b, gl.num_programs(0), N, CU_SEQLENS, CAUSAL, VARLEN, 2 * BLOCK_M)
+    if m0 >= N:  # past the end of a shorter varlen sequence
+        return
+    q_col = h * D
+    q_row = seq0 + m0
+
+    kv_ring = ring((tiles(k_desc, STAGES), tiles(v_desc, STAGES)), 2)
+    q_bar = barriers(1, 1).index(0)  # the resident Q and dO tiles have landed
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
+    q_bufs = resident(q_desc, q_bar, q_row, q_col, 2)
+    do_bufs = resident(do_desc, q_bar, q_row, q_col, 2)
+
+    key0, n_tiles = key_tiles(m0, 2 * BLOCK_M, N, window_left, CAUSAL, LEFT, BLOCK_N)
+    row = b * stride_lb + h * stride_lh + lse0 + m0  # of LSE, DLSE and DELTA
+    o = O + q_row.to(gl.int64) * stride_o + q_col
+    gl.warp_specialize(
+        [
+            (_dq_consumer, (dq_desc, q_bufs.index(0), do_bufs.index(0), kv_ring, q_bar, LSE + row, DELTA + row, o,
+                            DLSE + row, stride_o, q_row, q_col, m0, key0, n_tiles, qk_scale, softmax_scale,
+                            window_left, CAUSAL, LEFT, BLOCK_M, BLOCK_N, D)),
+            (_dq_consumer, (dq_desc, q_bufs.index(1), do_bufs.index(1), kv_ring, q_bar, LSE + row + BLOCK_M,
+                            DELTA + row + BLOCK_M, o + BLOCK_M * stride_o, DLSE + row + BLOCK_M, stride_o,
+                            q_row + BLOCK_M, q_col, m0 + BLOCK_M, key0, n_tiles, qk_scale, softmax_scale,
+                            window_left, CAUSAL, LEFT, BLOCK_M, BLOCK_N, D)),
+            (_dq_producer, (k_desc, v_desc, kv_ring, seq0 + key0, (h // GROUP) * D, n_tiles, BLOCK_N)),
+        ],
+        [CONSUMER_WARPS, PRODUCER_WARPS],
+        [TWO_CONSUMER_REGISTERS, PRODUCER_REGISTERS],
+    )  # fmt: skip

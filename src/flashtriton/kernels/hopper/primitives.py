@@ -1,0 +1,192 @@
+"""What the Gluon kernels share: layouts, the causal band, sequence and tile bounds, barriers, rings of
+shared-memory slots and TMA stores.
+
+A ring is (tiles, ready, empty): ``tiles`` a tuple of shared-memory arrays of as many slots each, slot s holding
+tile s of each; ``ready[s]`` completes a phase when the producer's loads into slot s have landed, ``empty[s]`` when
+every consumer warpgroup has released it. Position i of a ring is slot i % slots of lap i // slots: the producer
+``fill``s positions in order, each consumer ``take``s and ``give``s them back in the same order.
+"""
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from .. import config
+
+LN2 = gl.constexpr(0.6931471805599453)  # ln(2): converts a base-2 LSE to natural log
+LOG2E = gl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) == exp2(x * LOG2E)
+
+# The partitions' warps and registers per thread (config.py says why)
+CONSUMER_WARPS = gl.constexpr(config.HOPPER_NUM_WARPS)
+PRODUCER_WARPS = gl.constexpr(config.HOPPER_PRODUCER_WARPS)
+PRODUCER_REGISTERS = gl.constexpr(config.HOPPER_PRODUCER_REGISTERS)
+TWO_CONSUMER_REGISTERS = gl.constexpr(config.HOPPER_CONSUMER_REGISTERS[2])
+THREE_CONSUMER_REGISTERS = gl.constexpr(config.HOPPER_CONSUMER_REGISTERS[3])
+
+
+@triton.constexpr_function
+def mma_layout(n):
+    """A warpgroup's wgmma accumulator layout for tiles n columns wide (64 rows)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@triton.constexpr_function
+def operand_layout(n):
+    """The register layout of a 16-bit A operand whose product is n columns wide (an MMA's P or dS)."""
+    return gl.DotOperandLayout(operand_index=0, parent=mma_layout(n), k_width=2)
+
+
+@triton.constexpr_function
+def slot_bytes(descs):
+    """Bytes that one block of each of descs brings: what a ring slot's ready barrier expects."""
+    return sum(desc.block_type.nbytes for desc in descs)
+
+
+@gluon.jit
+def outside_band(first_row, last_row, first_col, last_col, window_left, LEFT: gl.constexpr):
+    """Some (row, col) of a tile lies outside the causal band: above the diagonal or, with LEFT, more
+    than window_left keys behind its row."""
+    out = last_col > first_row
+    if LEFT:
+        out = out | (last_row - first_col > window_left)
+    return out
+
+
+@gluon.jit
+def in_band(rows, cols, window_left, LEFT: gl.constexpr):
+    """The causal band's mask of broadcastable row and column indices (either orientation)."""
+    keep = cols <= rows
+    if LEFT:
+        keep = keep & (cols >= rows - window_left)
+    return keep
+
+
+@gluon.jit
+def band_only(p_t, rows, keys, window_left, LEFT: gl.constexpr):
+    """p_t (keys x queries) with its entries outside the causal band zeroed."""
+    return gl.where(in_band(gl.expand_dims(rows, 0), gl.expand_dims(keys, 1), window_left, LEFT), p_t, 0.0)
+
+
+@gluon.jit
+def sequence(CU_SEQLENS, b, N, VARLEN: gl.constexpr):
+    """(first row of sequence b in the (rows, heads * D) views, its length, its first LSE column)."""
+    if VARLEN:
+        start = gl.load(CU_SEQLENS + b)
+        return start, gl.load(CU_SEQLENS + b + 1) - start, start
+    else:
+        return b * N, N, 0
+
+
+@gluon.jit
+def query_tile(pid_m, b, n_m, N, CU_SEQLENS, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, ROWS: gl.constexpr):
+    """(first query row in the sequence, then sequence's three) of query tile pid_m of n_m (ROWS rows each) of a head
+    of batch b; causal tiles are numbered longest first, so the short ones come last."""
+    if CAUSAL:
+        pid_m = n_m - 1 - pid_m
+    seq0, n, lse0 = sequence(CU_SEQLENS, b, N, VARLEN)
+    return pid_m * ROWS, seq0, n, lse0
+
+
+@gluon.jit
+def key_tiles(m0, rows, N, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(first key, number of BLOCK_N-key tiles) that the query rows [m0, m0 + rows) see."""
+    key0 = 0
+    n_tiles = N // BLOCK_N
+    if LEFT:
+        key0 = gl.maximum(m0 - window_left, 0) // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        n_tiles = gl.cdiv(gl.minimum(m0 + rows, N), BLOCK_N) - key0 // BLOCK_N
+    return key0, n_tiles
+
+
+@gluon.jit
+def tiles(desc, n: gl.constexpr):
+    """n shared-memory tiles shaped and laid out as desc's blocks."""
+    return gl.allocate_shared_memory(desc.dtype, [n, desc.block_type.shape[0], desc.block_type.shape[1]], desc.layout)
+
+
+@gluon.jit
+def barriers(n: gl.constexpr, count: gl.constexpr):
+    """n mbarriers, each completing a phase after ``count`` arrivals (and any bytes a TMA load was expected
+    to bring)."""
+    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(n):
+        mbarrier.init(bars.index(i), count=count)
+    fence_async_shared()
+    return bars
+
+
+@gluon.jit
+def ring(slots, consumers: gl.constexpr):
+    """The tuple of shared-memory arrays ``slots`` as a ring (tiles, ready, empty) that ``consumers`` warpgroups
+    read."""
+    n: gl.constexpr = slots[0].shape[0]
+    return slots, barriers(n, 1), barriers(n, consumers)
+
+
+@gluon.jit
+def fill(descs, coords, ring, i):
+    """Loads each of descs' tiles at its coord into position i of ring, once its consumers have released what the
+    slot held a lap before (a fresh barrier counts as having completed the phase before its first, so the first lap
+    passes)."""
+    bufs, ready, empty = ring
+    n: gl.constexpr = bufs[0].shape[0]
+    s = i % n
+    mbarrier.wait(empty.index(s), ((i // n) & 1) ^ 1)
+    bar = ready.index(s)
+    mbarrier.expect(bar, slot_bytes(descs))
+    for t in gl.static_range(len(descs)):
+        tma.async_copy_global_to_shared(descs[t], coords[t], bar, bufs[t].index(s))
+
+
+@gluon.jit
+def take(ring, i):
+    """Position i's tiles of ring (a tuple, one of each array), once they have landed."""
+    bufs, ready, _ = ring
+    n: gl.constexpr = bufs[0].shape[0]
+    mbarrier.wait(ready.index(i % n), (i // n) & 1)
+    return [buf.index(i % n) for buf in bufs]
+
+
+@gluon.jit
+def give(ring, i):
+    """This consumer is done with position i of ring."""
+    empty = ring[2]
+    mbarrier.arrive(empty.index(i % empty.shape[0]), count=1)
+
+
+@gluon.jit
+def resident(desc, bar, row, col, n: gl.constexpr):
+    """n consecutive tiles of desc (rows ``row`` on, a block each), loaded through TMA onto ``bar``, whose
+    expected bytes the caller has set."""
+    bufs = tiles(desc, n)
+    for w in gl.static_range(n):
+        tma.async_copy_global_to_shared(desc, [row + w * desc.block_type.shape[0], col], bar, bufs.index(w))
+    return bufs
+
+
+@gluon.jit
+def store(desc, value, smem, row, col):
+    """value to desc's tile at (row, col) through TMA, staged in smem (a buffer the program no longer reads)."""
+    smem.store(value.to(desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc, [row, col], smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def stage_out(desc, smem, value, coord):
+    """value to desc's tile at coord through smem and a TMA store that runs on (once the previous store from smem has
+    read it)."""
+    tma.store_wait(0)
+    smem.store(value)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc, coord, smem)
+
+
+@gluon.jit
+def halves(x):
+    """The column halves of a wgmma accumulator tile, while the column's high bit is a register bit of its layout
+    (down to 8 columns: the split moves no data)."""
+    return gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), (0, 2, 1)))

@@ -1,0 +1,93 @@
+"""The Hopper (sm90) kernels compile, on any machine: benchmarks/compile_sm90.py builds a case's forward and backward
+through the real launchers with a stand-in sm90 driver and Triton's bundled ptxas, and reports each kernel's
+registers and spill (stack) bytes.
+
+It runs in a subprocess without TRITON_INTERPRET: conftest sets that on a machine with no GPU before Triton is
+imported, and then every @triton.jit function is an interpreted one, which nothing compiles for a target: neither
+the backward's preprocess and dQ conversion kernels nor Triton's own library functions that the Gluon kernels call.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import flashtriton
+from flashtriton.kernels import triton_compat
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "compile_sm90.py"
+SEQLEN = 2048  # whole tiles of every Gluon config: the Gluon kernels serve these calls
+
+FORWARD = "attention_forward_sm90_kernel"
+DKDV = "attention_backward_dkdv_sm90_kernel"
+DQ = "attention_backward_dq_sm90_kernel"
+
+# Spill bytes that ptxas (Triton 3.6's) leaves in a Gluon kernel today: a build may spill no more. Every Gluon
+# kernel not listed spills nothing.
+SPILLS = {
+    (64, "causal", DKDV): 16,
+    (64, "window", DKDV): 24,
+    (64, "varlen tiles", DKDV): 16,
+    (128, "dense", DKDV): 80,  # fused, at two (Q, dO) slots
+    (128, "causal", DKDV): 56,
+    (128, "window", DKDV): 56,
+    (128, "varlen tiles", DKDV): 56,
+    (256, "dense", DKDV): 88,  # fused, each warpgroup half of D's columns
+    (256, "causal", DKDV): 120,
+    (256, "window", DKDV): 120,
+    (256, "varlen tiles", DKDV): 120,
+    (256, "causal", FORWARD): 8,
+    (256, "varlen tiles", FORWARD): 8,
+}
+
+pytestmark = pytest.mark.skipif(
+    not triton_compat.PRIVATE_API_OK, reason=f"the Gluon kernels are off: {triton_compat.PRIVATE_API_PROBLEM}"
+)
+
+
+def _build(head_dims: list[int], cases: list[str]) -> dict:
+    """compile_sm90's results for these builds, by (head dim, case)."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(flashtriton.__file__).parents[1]), env.get("PYTHONPATH", "")])
+    args = ["--head-dims", *map(str, head_dims), "--seqlen", str(SEQLEN), "--cases", *cases, "--whole", "--json"]
+    run = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, env=env, timeout=600)
+    assert run.stdout, run.stderr[-2000:]
+    results = json.loads(run.stdout.splitlines()[-1])
+    return {(int(name.split()[0][1:]), name.split(maxsplit=2)[2]): result for name, result in results.items()}
+
+
+def _check(results: dict, expected: dict) -> None:
+    """Every build succeeded, launched the Gluon kernels ``expected`` names, and spills no more than SPILLS allows."""
+    assert set(results) == set(expected)
+    for (head_dim, case), result in results.items():
+        assert result["error"] is None, (head_dim, case, result["error"])
+        built = {kernel: stack for kernel, _, stack in result["kernels"]}
+        assert expected[head_dim, case] <= set(built), (head_dim, case, built)
+        for kernel in expected[head_dim, case]:
+            assert built[kernel] <= SPILLS.get((head_dim, case, kernel), 0), (head_dim, case, kernel, built[kernel])
+
+
+def test_sm90_kernels_build():
+    """The forward at D = 64, 128 and 256, dense and causal; the fused dK/dV at each D (at 256 split across the
+    warpgroups by columns); the dQ kernel and dK/dV after it (D=128 causal: below its fused span)."""
+    fused = {FORWARD, DKDV}
+    expected = {
+        (64, "dense"): fused,
+        (64, "causal"): fused,
+        (128, "dense"): fused,
+        (128, "causal"): {FORWARD, DQ, DKDV},
+        (256, "dense"): fused,
+        (256, "causal"): fused,
+    }
+    _check(_build([64, 128, 256], ["dense", "causal"]), expected)
+
+
+@pytest.mark.slow
+def test_sm90_banded_and_varlen_kernels_build():
+    """A causal sliding window and packed (varlen) sequences of whole tiles, at each Gluon head dim."""
+    expected = {(d, case): {FORWARD, DKDV} for d in (64, 128, 256) for case in ("window", "varlen tiles")}
+    expected[128, "window"] = expected[128, "varlen tiles"] = {FORWARD, DQ, DKDV}
+    _check(_build([64, 128, 256], ["window", "varlen tiles"]), expected)
