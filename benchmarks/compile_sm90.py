@@ -32,9 +32,8 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-from flashtriton import mods, triton_backend, validation
+from flashtriton import mods, route, triton_backend, validation
 from flashtriton.block_mask import create_block_mask
-from flashtriton.kernels import config
 from flashtriton.params import AttentionParams
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
@@ -80,18 +79,18 @@ def compile_only():
         built.append((self.fn.__name__, *_usage(kernel)))
         return kernel
 
-    arch_of, interpreting, sm_count = config.arch_of, triton_backend.interpreting, triton_backend._sm_count
+    arch, interpreting, sm_count = route.arch, route.interpreting, triton_backend._sm_count
     hook = knobs.runtime.launch_enter_hook
     driver.set_active(_Hopper())
     JITFunction.run = compile_kernel
     knobs.runtime.launch_enter_hook = _no_hook  # flashtriton.launch then always calls JITFunction.run
-    config.arch_of = lambda device, interpreting: "sm90"
-    triton_backend.interpreting = lambda: False
+    route.arch = lambda device: "sm90"
+    route.interpreting = lambda: False
     triton_backend._sm_count = lambda device: 132  # the H200's
     try:
         yield built
     finally:
-        JITFunction.run, config.arch_of, triton_backend.interpreting = run, arch_of, interpreting
+        JITFunction.run, route.arch, route.interpreting = run, arch, interpreting
         knobs.runtime.launch_enter_hook = hook
         triton_backend._sm_count = sm_count
 
@@ -105,7 +104,8 @@ def _cases(n: int, head_dim: int) -> dict:
     ids = (torch.arange(n) // max(n // 4, 1)).to(torch.int32)
     documents = mods.and_masks(mods.document_mask(ids), mods.causal_mask())
     slopes = torch.rand(2, 8)
-    features = AttentionParams(scale, n // 4, 16, softcap=30.0, alibi_slopes=slopes, dropout_p=0.1, dropout_seed=3)
+    seed = torch.tensor([3])
+    features = AttentionParams(scale, n // 4, 16, softcap=30.0, alibi_slopes=slopes, dropout_p=0.1, dropout_seed=seed)
     return {
         "dense": (False, AttentionParams(scale)),
         "causal": (False, AttentionParams(scale, window_right=0)),
@@ -135,8 +135,9 @@ def build(head_dim: int, n: int, case: str) -> dict:
     k, v = (torch.randn(*shape[:-2], 4, head_dim, dtype=torch.bfloat16) for _ in range(2))
     with compile_only() as built:
         try:
-            out, lse = triton_backend.forward(q, k, v, params)
-            triton_backend.backward(out, torch.zeros_like(lse), q, k, v, out, lse, params)
+            out, lse = triton_backend.forward(q, k, v, params, route.forward(q, k, v, params, gpu="sm90"))
+            backward = route.backward(q, k, v, out, out, params, gpu="sm90")
+            triton_backend.backward(out, torch.zeros_like(lse), q, k, v, out, lse, params, backward)
             error = None
         except Exception as failure:  # a failed build is the finding: report it and go on
             cause = failure

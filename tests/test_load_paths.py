@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.autograd import forward_ad
 
-from flashtriton import create_block_mask, flash_attn_func, flash_attn_varlen_func, ops, triton_backend
+from flashtriton import create_block_mask, flash_attn_func, flash_attn_varlen_func, ops, route, triton_backend
 from flashtriton.kernels import config
 from flashtriton.mods import causal_mask
 from flashtriton.params import AttentionParams
@@ -19,9 +19,12 @@ INTERPRETER = any(t.name == "cpu-interp" for t in TARGETS)
 
 
 def _run(q, k, v, p):
-    out, lse = triton_backend.forward(q, k, v, p)
+    out, lse = triton_backend.forward(q, k, v, p, route.forward(q, k, v, p, gpu="interpreter"))
     dout = torch.randn_like(out)
-    return (out, lse, *triton_backend.backward(dout, torch.zeros_like(lse), q, k, v, out, lse, p))
+    grads = triton_backend.backward(
+        dout, torch.zeros_like(lse), q, k, v, out, lse, p, route.backward(q, k, v, out, dout, p, gpu="interpreter")
+    )
+    return (out, lse, *grads)
 
 
 def _cases():

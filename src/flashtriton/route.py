@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .kernels import config
+from .kernels import config, triton_compat
 from .params import AttentionParams
 
 BACKEND_ENV = "FLASHTRITON_BACKEND"
@@ -87,17 +87,9 @@ def arch(device: torch.device) -> str:
 @functools.cache
 def _cuda_arch(device: torch.device) -> str:
     major, _ = torch.cuda.get_device_capability(device)  # a few microseconds a call: read once per device
-    return "sm90" if major == 9 and _hopper_kernels_import() else "cuda"
-
-
-@functools.cache
-def _hopper_kernels_import() -> bool:
-    """The Gluon kernels build on private Triton APIs: another Triton may lack them (the portable kernels serve)."""
-    try:
-        from .kernels import hopper  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    # the Gluon kernels build on private Triton APIs, checked against the tested Triton: on another, the portable
+    # kernels serve Hopper too
+    return "sm90" if major == 9 and triton_compat.PRIVATE_API_OK else "cuda"
 
 
 def run_dtype(dtype: torch.dtype, gpu: str | None = None) -> torch.dtype:

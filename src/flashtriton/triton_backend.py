@@ -111,7 +111,7 @@ def _hopper_common(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, p: Atten
     return batch, n, dict(
         stride_lb=stride_lb, stride_lh=stride_lh, N=n, H=q.shape[2], GROUP=q.shape[2] // k.shape[2],
         qk_scale=p.softmax_scale * LOG2E, window_left=max(p.window_left, 0), CU_SEQLENS=p.cu_seqlens_q,
-        CAUSAL=p.diagonal, LEFT=p.left_bounded, VARLEN=p.varlen, D=q.shape[3], num_warps=4,
+        CAUSAL=p.diagonal, LEFT=p.left_bounded, VARLEN=p.varlen, D=q.shape[3], num_warps=config.HOPPER_NUM_WARPS,
     )  # fmt: skip
 
 

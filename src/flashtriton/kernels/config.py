@@ -17,7 +17,6 @@ unmeasured starting point that only fits shared memory.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -230,18 +229,6 @@ _CUDA_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
     (128, ForwardConfig(64, 64, 4, 2), BackwardConfig(32, 64, 64, 32, 4, 1, 1)),
     (256, ForwardConfig(64, 32, 4, 1), BackwardConfig(16, 32, 32, 16, 4, 1, 1)),
 )
-
-
-def arch_of(device: torch.device, interpreting: bool) -> str:
-    if interpreting:
-        return "interpreter"
-    return _cuda_arch(device)
-
-
-@functools.cache
-def _cuda_arch(device: torch.device) -> str:
-    major, _ = torch.cuda.get_device_capability(device)  # a few microseconds a call: read once per device
-    return "sm90" if major == 9 else "cuda"
 
 
 def block_d(head_dim: int) -> int:
