@@ -136,7 +136,7 @@ def build(head_dim: int, n: int, case: str) -> dict:
     with compile_only() as built:
         try:
             out, lse = triton_backend.forward(q, k, v, params, route.forward(q, k, v, params, gpu="sm90"))
-            backward = route.backward(q, k, v, out, out, params, gpu="sm90")
+            backward = route.backward(out, lse, q, k, v, out, lse, params, gpu="sm90")
             triton_backend.backward(out, torch.zeros_like(lse), q, k, v, out, lse, params, backward)
             error = None
         except Exception as failure:  # a failed build is the finding: report it and go on

@@ -22,7 +22,15 @@ def _run(q, k, v, p):
     out, lse = triton_backend.forward(q, k, v, p, route.forward(q, k, v, p, gpu="interpreter"))
     dout = torch.randn_like(out)
     grads = triton_backend.backward(
-        dout, torch.zeros_like(lse), q, k, v, out, lse, p, route.backward(q, k, v, out, dout, p, gpu="interpreter")
+        dout,
+        torch.zeros_like(lse),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        p,
+        route.backward(dout, lse, q, k, v, out, lse, p, gpu="interpreter"),
     )
     return (out, lse, *grads)
 

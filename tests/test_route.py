@@ -38,7 +38,8 @@ def _tensors(batch, n_q, n_k, head_dim, dtype, layout="bnhd", heads=16, heads_k=
 
 def _row(name: str, gpu: str, q, k, v, params: AttentionParams) -> str:
     forward = route.forward(q, k, v, params, gpu=gpu)
-    backward = route.backward(q, k, v, q, q, params, gpu=gpu)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device="meta")
+    backward = route.backward(q, lse, q, k, v, q, lse, params, gpu=gpu)
     return f"{gpu:5} {name:52} fwd: {forward}\n{'':58} bwd: {backward}"
 
 

@@ -42,7 +42,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
 
 def backward(dout, dlse, q, k, v, out, lse, p: AttentionParams):
     """dq, dk, dv."""
-    r = route.backward(q, k, v, out, dout, p)
+    r = route.backward(dout, dlse, q, k, v, out, lse, p)
     if r.family == route.NONE:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     return _launchers(r.family).backward(dout, dlse, q, k, v, out, lse, p, r)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -45,6 +45,7 @@ class Route:
     family: str  # NONE, TORCH, PORTABLE or HOPPER
     config: Any = None  # kernels.config's row for the family (None for none and torch)
     dq: str = ""  # the Hopper backward's dQ: FUSED or PAIR
+    key: tuple | None = field(default=None, compare=False)  # the call's layout key, where launches may be replayed
 
     def __str__(self) -> str:
         return " ".join(filter(None, (self.family, self.dq, _describe(self.config))))
@@ -153,8 +154,49 @@ def hopper_fits(p: AttentionParams, tile: int, *tensors: torch.Tensor) -> bool:
     )
 
 
+# Routes of calls whose launches may be replayed (launch.Plan), by layout: a small call's host time is otherwise
+# about its GPU time, and the decision below is a good part of it.
+_ROUTES: dict[tuple, Route] = {}
+_MAX_ROUTES = 256
+
+
+def _layout_key(kind: str, p: AttentionParams, tensors: tuple[torch.Tensor, ...]) -> tuple | None:
+    """What every choice between a call's arguments and its launches depends on (shapes, strides, dtypes, 16-byte
+    alignment, which arguments are one tensor, the device, the options, the backend variable), for dense CUDA calls
+    with the features the Gluon kernels take; None for any other call (decided afresh each time)."""
+    q = tensors[0]
+    if q.device.type != "cuda" or p.varlen or not p.plain or p.sparse:
+        return None
+    layout = tuple((x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0) for x in tensors)
+    ids = [id(x) for x in tensors]
+    where = q.device, torch.cuda.current_device(), os.environ.get(BACKEND_ENV)
+    return kind, p, *where, layout, tuple(map(ids.index, ids))
+
+
+def _remembered(key: tuple | None, decide) -> Route:
+    route = _ROUTES.get(key) if key is not None else None
+    if route is None:
+        route = decide()
+        if key is not None:
+            if len(_ROUTES) >= _MAX_ROUTES:
+                _ROUTES.pop(next(iter(_ROUTES)), None)  # the oldest
+            _ROUTES[key] = route = replace(route, key=key)
+    return route
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams, gpu: str | None = None) -> Route:
     """The forward's route. ``gpu``: route for that arch's kernel tables instead of q's device (tests)."""
+    key = _layout_key("forward", p, (q, k, v)) if gpu is None else None
+    return _remembered(key, lambda: _forward(q, k, v, p, gpu))
+
+
+def backward(dout, dlse, q, k, v, out, lse, p: AttentionParams, gpu: str | None = None) -> Route:
+    """The backward's route (dout, out shaped as q; dlse, lse as the forward's LSE)."""
+    key = _layout_key("backward", p, (dout, dlse, q, k, v, out, lse)) if gpu is None else None
+    return _remembered(key, lambda: _backward(q, k, v, out, dout, p, gpu))
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams, gpu: str | None) -> Route:
     if q.numel() == 0 or k.numel() == 0:
         return Route(NONE)
     if gpu is None and _backend(q.device, q.dtype) == TORCH:
@@ -169,16 +211,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
     return Route(PORTABLE, config.forward_config(gpu, head_dim, dtype, span, p.plain))
 
 
-def backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    dout: torch.Tensor,
-    p: AttentionParams,
-    gpu: str | None = None,
-) -> Route:
-    """The backward's route (its tensors as the forward's; dout shaped as out)."""
+def _backward(q, k, v, out, dout, p: AttentionParams, gpu: str | None) -> Route:
     if q.numel() == 0 or k.numel() == 0:
         return Route(NONE)
     if gpu is None and _backend(q.device, q.dtype) == TORCH:

@@ -121,23 +121,16 @@ _DQ_SM90 = Launcher(hopper.attention_backward_dq_sm90_kernel)
 _PREPROCESS = Launcher(attention_backward_preprocess_kernel)
 _DQ_CONVERT = Launcher(attention_backward_dq_convert_kernel)
 
-# Replayable calls by layout (launch.Plan): a small call's host time is otherwise about its GPU time (NOTES 53).
-# A plan holds the choices of kernels/config.py's tables when it was recorded: a sweep that changes them at run
-# time must clear this (and _schedule's cache, for the SCHEDULE_* constants).
+# Replayable calls by their route's layout key (launch.Plan): a small call's host time is otherwise about its GPU time.
+# A plan (and route._ROUTES) holds the choices of kernels/config.py's tables when it was recorded: a sweep that
+# changes them at run time must clear both (and _schedule's cache, for the SCHEDULE_* constants).
 _PLANS: dict[tuple, Plan] = {}
 _MAX_PLANS = 256
 
 
-def _plan_key(kind: str, p: AttentionParams, *tensors: torch.Tensor) -> tuple | None:
-    """What every choice between a call's arguments and its launches depends on (shapes, strides, dtypes, 16-byte
-    alignment, which arguments are one tensor, the device, the options), for the calls a Plan may replay: dense
-    CUDA tensors with the features the Gluon kernels take and no launch hook. None for any other call."""
-    q = tensors[0]
-    if q.device.type != "cuda" or p.varlen or not p.plain or p.sparse or hooked() or route.interpreting():
-        return None
-    layout = tuple((x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0) for x in tensors)
-    ids = [id(x) for x in tensors]
-    return kind, p, q.device, torch.cuda.current_device(), layout, tuple(map(ids.index, ids)), autotune.enabled()
+def _plan_key(r: route.Route) -> tuple | None:
+    """The route's layout key (the calls a Plan may replay), with what the launches depend on beside it."""
+    return None if r.key is None or hooked() or route.interpreting() else (r.key, autotune.enabled())
 
 
 def _keep(key: tuple | None, recorder: Recorder) -> None:
@@ -362,7 +355,7 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """O and the natural-log LSE in fp32 (params.py has the layouts) by the route's forward kernel; unless
     p.write_lse the kernel writes no LSE and None stands for it."""
-    key = _plan_key("forward", p, q, k, v)
+    key = _plan_key(r)
     plan = _PLANS.get(key)
     if plan is not None:
         made = plan(q=q, k=k, v=v)
@@ -445,7 +438,7 @@ def backward(
     """dQ, dK, dV by recomputation from Q, K, V and the forward's LSE (no N x N buffer), by the route's kernels."""
     grad_dtype = q.dtype
     shapes = q.shape, k.shape, v.shape
-    key = _plan_key("backward", p, dout, dlse, q, k, v, out, lse)
+    key = _plan_key(r)
     plan = _PLANS.get(key)
     if plan is not None:
         made = plan(dout=dout, dlse=dlse, q=q, k=k, v=v, out=out, lse=lse)
