@@ -80,6 +80,7 @@ class Case:
     mods: bool = False  # a document-causal block mask and a score_mod with its gradient (dense only)
     api: str = "varlen"  # for Seqlens: "varlen", "qkvpacked" or "kvpacked"
     dtype: torch.dtype | None = None  # None: every dtype of the target (helpers.dtypes_for)
+    deterministic: bool = False  # also: two more calls (same seeds) give bitwise the same out, lse and gradients
 
     def __str__(self) -> str:
         parts = [dtype_name(self.dtype)] if self.dtype else []
@@ -98,6 +99,8 @@ class Case:
             parts.append(f"drop{self.dropout_p:g}")
         if self.mods:
             parts.append("block-mask-score-mod")
+        if self.deterministic:
+            parts.append("deterministic")
         return "-".join(parts)
 
 
@@ -183,13 +186,16 @@ def _run_dense(q, k, v, dout, dlse, **options):
 
 
 def check_case(target, case: Case) -> None:
-    """out, lse and the three gradients of one case, in its dtype or each of the target's, against the reference."""
+    """out, lse and the three gradients of one case, in its dtype or each of the target's, against the reference;
+    deterministic cases are called twice more with the same seeds and must repeat bit for bit."""
     for dtype in [case.dtype] if case.dtype else dtypes_for(target):
         options = dict(
             causal=case.causal, window_size=case.window, softcap=case.softcap,
             alibi_slopes=_alibi_slopes(case, target.device), dropout_p=case.dropout_p,
         )  # fmt: skip
         reference = dict(options)
+        if case.deterministic:
+            options.update(deterministic=True)
         if isinstance(case.shape, Shape):
             s = case.shape
             q, k, v = random_qkv(s, dtype, target.device, requires_grad=False)
@@ -219,6 +225,10 @@ def check_case(target, case: Case) -> None:
         for name, a, e, p in zip(NAMES, ours, exact, plain, strict=True):
             assert a.dtype == (torch.float32 if name == "lse" else dtype), name
             assert_close_to_reference(f"{name} ({dtype})", a, e, p)
+        for _ in range(2 if case.deterministic else 0):
+            torch.manual_seed(1)  # the first call's dropout seed
+            for name, a, b in zip(NAMES, ours, call(), strict=True):
+                assert torch.equal(a, b), f"{name} ({dtype}): a deterministic call did not repeat bit for bit"
 
 
 def _cases(**by_size) -> list:
@@ -533,6 +543,49 @@ VARLEN = _cases(**{size: _varlen_cases(size) for size in SEQLENS})
 @pytest.mark.parametrize("backend,case", VARLEN, indirect=["backend"])
 def test_varlen(backend, case):
     """Each sequence of the packed batch against the reference on that sequence alone."""
+    check_case(backend, case)
+
+
+def _deterministic(shape: Shape | Seqlens, dtype: torch.dtype | None = None, **features) -> Case:
+    return Case(shape, dtype=dtype, deterministic=True, **features)
+
+
+# The features with deterministic=True: a window with GQA and ALiBi (on the GPU in shapes the sm90 kernels take, whose
+# default backward adds dQ's shares up in no fixed order), softcap with dropout (its seed drawn again from the same
+# torch seed), a varlen batch with all of them, and a block mask with a score_mod and dropout.
+EVERY_VARLEN_FEATURE = dict(causal=True, softcap=3.0, alibi="h", dropout_p=0.15)
+DETERMINISTIC = _cases(
+    tiny=[
+        _deterministic(Shape(2, 37, 45, 2, 1, 24), F16, causal=True, window=(10, -1), alibi="bh"),
+        _deterministic(Shape(1, 40, 29, 2, 1, 16), F32, softcap=2.0, dropout_p=0.2),
+        _deterministic(
+            Seqlens(q=(5, 0, 33, 17), k=(9, 3, 20, 17), heads=2, heads_k=1, head_dim=16),
+            F16,
+            window=(6, -1),
+            **EVERY_VARLEN_FEATURE,
+        ),
+        _deterministic(Shape(1, 40, 40, 2, 1, 16), F32, mods=True, dropout_p=0.1),
+    ],
+    cpu=[
+        _deterministic(Shape(2, 300, 260, 4, 2, 64), BF16, causal=True, window=(100, -1), alibi="bh"),
+        _deterministic(Shape(1, 260, 530, 2, 1, 40), F32, softcap=2.0, dropout_p=0.2),
+        _deterministic(SEQLENS["cpu"], F16, window=(64, -1), **EVERY_VARLEN_FEATURE),
+        _deterministic(Shape(2, 200, 200, 2, 1, 64), F32, mods=True, dropout_p=0.1),
+    ],
+    gpu=[
+        _deterministic(Shape(1, 4096, 4096, 4, 2, 64), causal=True, window=(2500, -1)),
+        _deterministic(Shape(2, 1024, 1024, 4, 2, 256), causal=True, window=(300, -1)),
+        _deterministic(Shape(2, 1000, 1300, 8, 2, 96), softcap=2.0, alibi="bh", dropout_p=0.15),
+        _deterministic(TILED_SEQLENS, causal=True, window=(200, -1)),
+        _deterministic(SEQLENS["gpu"], window=(256, -1), **EVERY_VARLEN_FEATURE),
+        _deterministic(Shape(2, 2048, 2048, 8, 2, 128), mods=True, dropout_p=0.1),
+    ],
+)
+
+
+@pytest.mark.parametrize("backend,case", DETERMINISTIC, indirect=["backend"])
+def test_deterministic_with_features(backend, case):
+    """Right against the reference, and bitwise the same out, LSE and gradients over three calls."""
     check_case(backend, case)
 
 
