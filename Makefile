@@ -3,14 +3,25 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
+# --no-compile: byte-compiling all of torch was most of the install's time; Python compiles what a run imports
+PIP := $(PY) -m pip install -q --disable-pip-version-check --no-compile
+# pytest-xdist workers for `make test` (CI's machine has 2 cores); WORKERS=0 runs in one process
+WORKERS ?= 2
+# arguments for `make bench`, e.g. ARGS="--head-dims 128 --causal yes"
+ARGS ?=
 
 .PHONY: demo test lint bench
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements-dev.txt
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	$(PIP) -r requirements-dev.txt
+	$(PIP) --no-deps -e .
 	touch $(STAMP)
+
+$(BENCH_STAMP): $(STAMP) requirements-bench.txt
+	$(PIP) -r requirements-bench.txt
+	touch $(BENCH_STAMP)
 
 demo: $(STAMP)
 	$(PY) -m flashtriton demo
@@ -18,8 +29,11 @@ demo: $(STAMP)
 # Without a GPU, tests/conftest.py turns on TRITON_INTERPRET=1 so the Triton kernels run on CPU.
 test: $(STAMP)
 	$(PY) -m ruff check src tests
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(WORKERS) tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests
 	$(PY) -m ruff format --check src tests
+
+bench: $(BENCH_STAMP)
+	$(PY) -m flashtriton bench $(ARGS)

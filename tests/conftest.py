@@ -5,17 +5,22 @@ Every numerical test runs once per *target* available on this machine:
   cpu-interp    the Triton kernels in Triton's interpreter on CPU tensors, at tiny sizes
                 (when there is no GPU, TRITON_INTERPRET=1 is set here before triton is imported)
   cuda-triton   the Triton kernels on the GPU, at realistic sizes
-Each target has its own shape list (helpers.SHAPES), so CI stays fast and the GPU sees real sizes.
+Each target has its own shape list (the test modules' dicts keyed by Target.size), so CI stays fast and the GPU sees
+real sizes.
 """
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest
+# Under pytest-xdist (`make test` runs -n 2) each worker takes its share of the cores, not torch's default of all.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
 
 
 @pytest.fixture(autouse=True)

@@ -76,9 +76,15 @@ def target_params(shapes_by_size: dict[str, list], targets=None):
 
 
 def dtypes_for(target: Target) -> list[torch.dtype]:
+    """The input dtypes a target is tested in. The interpreter runs bf16 as fp32 (Triton 3.6 computes bf16 tl.dot
+    wrongly there), so it has no bf16 of its own."""
     if target.device == "cuda":
         return [torch.float16, torch.bfloat16]
-    return [torch.float32, torch.float16] if target.size == "tiny" else [torch.float32, torch.bfloat16]
+    return [torch.float32, torch.float16] if target.size == "tiny" else [torch.float32, torch.float16, torch.bfloat16]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
 
 def random_qkv(shape: Shape, dtype, device, requires_grad=True):

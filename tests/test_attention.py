@@ -25,6 +25,7 @@ SHAPES = {
         Shape(1, 33, 50, 4, 2, 24),
         Shape(1, 50, 21, 2, 2, 16),
         Shape(1, 40, 40, 1, 1, 72),
+        Shape(1, 20, 37, 2, 1, 256),  # the largest head dim
     ],
     "cpu": [
         Shape(1, 1, 1, 2, 2, 64),
@@ -153,10 +154,12 @@ def test_rows_without_keys_are_zero_not_nan(backend, shape):
     assert q.grad[:, empty:].abs().amax() > 0
 
 
-# and causal spans of 2048 keys in whole tiles: the sm90 fused backward, which adds dQ up by TMA reductions (at D=256
-# with the warpgroups splitting D, its deterministic form the portable kernels)
+# ONE_SHAPE's (in the interpreter with fewer heads: the test makes six calls), and causal spans of 2048 keys in whole
+# tiles: the sm90 fused backward, which adds dQ up by TMA reductions (at D=256 with the warpgroups splitting D, its
+# deterministic form the portable kernels)
 REPEATED_SHAPES = {
     **ONE_SHAPE,
+    "tiny": [Shape(2, 45, 30, 2, 1, 40)],
     "gpu": [*ONE_SHAPE["gpu"], Shape(1, 4096, 4096, 4, 2, 128), Shape(2, 1024, 1024, 4, 2, 256)],
 }
 

@@ -37,8 +37,8 @@ def _run(q, k, v, p):
 
 def _cases():
     torch.manual_seed(0)
-    q = torch.randn(2, 40, 4, 16)
-    k, v = torch.randn(2, 40, 2, 16), torch.randn(2, 40, 2, 16)
+    q = torch.randn(2, 40, 2, 16)
+    k, v = torch.randn(2, 40, 1, 16), torch.randn(2, 40, 1, 16)
     cu = torch.tensor([0, 23, 80], dtype=torch.int32)
     mask = create_block_mask(causal_mask(), None, None, 40, 40, block_size=16)
     return {

@@ -63,7 +63,7 @@ def test_every_tile_runs_once(heads, head_dim, n, programs):
 @pytest.mark.parametrize("n", [512, 1024, 2048, 4096, 8192, 16384])
 def test_the_bench_shapes_take_the_table_and_end_sooner(head_dim, n):
     """16k tokens, hidden 2048: the table's end is at or under the pairs' by the costs' count, and the backend takes it
-    (where the count ties, at D=256 N=512, the greedy table measured faster: NOTES 54)."""
+    (a tie too: at D=256 N=512, where the count ties, the table ran faster)."""
     batch, heads, costs = 16384 // n, 2048 // head_dim, _costs(head_dim, n)
     cpu = torch.device("cpu")
     programs, table, bits = triton_backend._schedule(batch, heads, costs, 132, config.SCHEDULE_BATCH_ROUNDS, cpu)
@@ -75,8 +75,8 @@ def test_the_bench_shapes_take_the_table_and_end_sooner(head_dim, n):
 
 @pytest.mark.parametrize("heads", [66, 130, 264, 75, 8, 384])
 def test_the_backend_keeps_the_pairs_where_they_split_better(heads):
-    """66 heads of 8 tiles: 264 pairs over 132 programs divide exactly, where greedy batches end 29% later (1.2%
-    balanced). At 130 heads the balanced table ties the pairs, and a tie takes the table."""
+    """66 heads of 8 tiles: 264 pairs over 132 programs divide exactly, where the table's batches end later. At 130
+    heads the balanced table ties the pairs, and a tie takes the table."""
     costs = _costs(128, 1024)
     cpu = torch.device("cpu")
     programs, table, bits = triton_backend._schedule(1, heads, costs, 132, config.SCHEDULE_BATCH_ROUNDS, cpu)
@@ -92,7 +92,7 @@ def test_the_backend_keeps_the_pairs_where_they_split_better(heads):
 
 @pytest.mark.parametrize("head_dim, n", [(128, 512), (64, 512), (128, 1024), (256, 2048), (64, 16384)])
 def test_balance_ends_sooner(head_dim, n):
-    """The bench's shapes whose greedy split ends 1.9-3.6% past the mean work: balanced, within 1.2% of it, every
+    """The bench's shapes whose greedy split ends more than 1.2% past the mean work: balanced, within 1.2% of it, every
     tile still run once (test_heads_are_balanced_in_batches checks the order)."""
     heads, costs, programs = 16384 // n * (2048 // head_dim), _costs(head_dim, n), 132
     greedy = schedule.causal_forward(heads, costs, programs, programs, balance=False)
