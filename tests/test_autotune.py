@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from flashtriton import autotune, flash_attn_func, triton_backend
+from flashtriton import autotune, flash_attn_func, route, triton_backend
 from helpers import TARGETS, Shape, assert_close_to_reference, random_qkv, reference_outputs
 
 
@@ -19,6 +19,7 @@ def tuning(monkeypatch, tmp_path):
     monkeypatch.setenv(autotune.CACHE_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(autotune, "_CACHES", {})
     monkeypatch.setattr(triton_backend, "_PLANS", {})
+    monkeypatch.setattr(route, "_ROUTES", {})  # routes hold the table configs too
     return tmp_path / autotune.CACHE_FILE
 
 
@@ -143,8 +144,8 @@ def test_tuned_calls_match_the_reference(target, shape, tuning, monkeypatch):
     results = [out.detach(), *(x.grad for x in (q, k, v))]
     kinds = sorted(key.split("|")[4] for key in json.loads(tuning.read_text()))
     # later calls of the layout replay the tuned call's launches
-    assert all(key[0] in ("forward", "backward") for key in triton_backend._PLANS)
-    assert ("forward" in {key[0] for key in triton_backend._PLANS}) == _hopper_forward_runs(target, shape)
+    assert all(key[0][0] in ("forward", "backward") for key in triton_backend._PLANS)
+    assert ("forward" in {key[0][0] for key in triton_backend._PLANS}) == _hopper_forward_runs(target, shape)
     assert kinds == (["gluon forward"] if _hopper_forward_runs(target, shape) else ["forward"])
 
     dlse = torch.zeros(shape.batch, shape.heads, shape.n_q, device=target.device)
@@ -160,6 +161,7 @@ def test_tuned_calls_match_the_reference(target, shape, tuning, monkeypatch):
     monkeypatch.setattr(autotune, "_time_ms", no_timing)
     monkeypatch.setattr(autotune, "_CACHES", {})
     monkeypatch.setattr(triton_backend, "_PLANS", {})
+    monkeypatch.setattr(route, "_ROUTES", {})  # routes hold the table configs too
     for x in (q, k, v):
         x.grad = None
     again = flash_attn_func(q, k, v, causal=True)

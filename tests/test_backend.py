@@ -121,6 +121,7 @@ def test_hopper_scope():
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_hopper_kernels_run_where_they_fit(causal, head_dim, monkeypatch):
     monkeypatch.setattr(triton_backend, "_PLANS", {})  # an earlier test's plan would launch without these functions
+    monkeypatch.setattr(route, "_ROUTES", {})  # routes hold the table configs too
     calls = []
     for name in ("_hopper_forward", "_hopper_dkdv", "_hopper_dq"):
         launch = getattr(triton_backend, name)
@@ -158,6 +159,8 @@ def _config_switch(monkeypatch, launcher: str, chooser: str, cfg_at: int):
             return cfg and dataclasses.replace(cfg, **{field: value})
 
         monkeypatch.setattr(triton_backend, "_PLANS", {})  # a plan is keyed by layout, not config
+
+        monkeypatch.setattr(route, "_ROUTES", {})  # routes hold the table configs too
         monkeypatch.setattr(triton_backend.config, chooser, switched)
         return fn(*args, **kwargs)
 

@@ -29,7 +29,7 @@ DQ = "attention_backward_dq_sm90_kernel"
 # kernel not listed spills nothing.
 SPILLS = {
     (64, "causal", DKDV): 16,
-    (64, "window", DKDV): 24,
+    (64, "window", DKDV): 32,  # 24 with the CPU image's ptxas, 32 with the H200 image's
     (64, "varlen tiles", DKDV): 16,
     (128, "dense", DKDV): 80,  # fused, at two (Q, dO) slots
     (128, "causal", DKDV): 56,
