@@ -86,19 +86,19 @@ def test_hopper_scope():
     assert forward("sm90", 128, torch.float32) is None
     assert forward("cuda", 128, torch.bfloat16) is None
     assert forward("sm90", 256, torch.bfloat16).block_n == 64
-    # three consumer warpgroups for D=64 over long spans: unbanded from 1k keys (NOTES 75), banded from 4k
+    # three consumer warpgroups for D=64 over long spans: unbanded from 1k keys, banded from 4k
     wide = config.WIDE_SPAN
     assert wide == 1024 and config.WIDE_BAND_SPAN == 4096
     assert forward("sm90", 64, torch.bfloat16, span=wide).consumers == 3
     assert forward("sm90", 64, torch.bfloat16, span=wide - 1).consumers == 2
     assert forward("sm90", 64, torch.bfloat16, span=wide, banded=True).consumers == 2
     assert forward("sm90", 128, torch.bfloat16, span=wide).consumers == 2
-    # the row reductions as chains in every table row (trees lost on the H200, NOTES 74: an autotune candidate)
+    # the row reductions as chains in every table row (trees lost on the H200: an autotune candidate)
     spans = (512, wide, config.WIDE_BAND_SPAN)
     assert not any(forward("sm90", d, torch.bfloat16, span=s, banded=b).tree_rows
                    for d in (64, 128, 256) for s in spans for b in (False, True))  # fmt: skip
     assert any(c.tree_rows for c in config.hopper_forward_candidates(64, forward("sm90", 64, torch.bfloat16)))
-    # the consumers' MMAs in turns for D=256, banded or not, and D=64's three unbanded (NOTES 75)
+    # the consumers' MMAs in turns for D=256, banded or not, and D=64's three unbanded
     assert forward("sm90", 256, torch.bfloat16).pingpong and forward("sm90", 256, torch.bfloat16, banded=True).pingpong
     assert forward("sm90", 64, torch.bfloat16, span=wide).pingpong
     unturned = ((64, wide - 1), (128, 512), (128, wide))

@@ -1,7 +1,7 @@
 """Opt-in autotuning of the forward's launch configs: ``FLASHTRITON_AUTOTUNE=1``.
 
 By default every launch takes its config from kernels/config.py's tables, which were measured on one GPU
-(benchmarks/NOTES.md names it) and are only a starting point elsewhere. With FLASHTRITON_AUTOTUNE=1, read at each
+(benchmarks/DECISIONS.md, tuning) and are only a starting point elsewhere. With FLASHTRITON_AUTOTUNE=1, read at each
 call, the first forward of each kind -- kernel (the Gluon one on Hopper, else the portable one), head dim, dtype,
 features, span bucket, whether the LSE is written -- on a GPU times the table's config and the candidates that
 config.py lists beside it on that call's own inputs, and keeps the fastest one whose outputs match the table
@@ -10,7 +10,7 @@ move a measured choice). The choice
 goes to a JSON cache on disk, ``$FLASHTRITON_CACHE_DIR/autotune.json`` (default ``~/.cache/flashtriton``), keyed by
 the GPU, the triton and torch versions and the package's source digest (changed kernels are tuned again), so
 later processes start from it. The first call of each kind pays for compiling and timing every candidate (the
-Gluon forward's took 8-16 s on an H100: benchmarks/NOTES.md 65).
+Gluon forward's took 8-16 s on an H100).
 
 Nothing is tuned while a CUDA graph is being captured (a cached choice, else the table's config, runs): tune with
 an eager call of the same shapes first. The backward keeps its table configs (config.py says why).

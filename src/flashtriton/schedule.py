@@ -3,27 +3,27 @@
 A causal head's query tiles see 1, 2, ..., n_m key tiles: unequal work. Without a table the kernel pairs
 a head's p-th longest tile with its p-th shortest, so that every pair ("unit") costs about the same, and program
 i of P runs units i, i + P, ... (kernels/hopper.py's _forward_tile). Units rarely divide evenly: 2048 units over
-132 SMs leave 68 programs with 16 and 64 with 15, about 3% of idle SM time at the end (benchmarks/NOTES.md 38).
+132 SMs leave 68 programs with 16 and 64 with 15, about 3% of idle SM time at the end.
 
 The table takes the heads in batches of about ``batch_tiles`` tiles (whole heads) and hands each batch's tiles
 out longest first, each to the program with the least work so far (greedy longest-processing-time). Batches keep
 a head's tiles close in time, as the pairs do, so that its keys are read from memory about once and from L2
 after: handing out the last three rounds' tiles across all their heads longest first (every head's longest tile,
 then every head's second, ...) made the D=128 forward 21-24% slower at N <= 1k, and batches of four rounds 28% at
-N = 512 (NOTES 54; the L2 misses are inferred, not profiled). Greedy batches are not always the better split:
+N = 512 (the L2 misses are inferred, not profiled). Greedy batches are not always the better split:
 where the pairs divide evenly among the programs, or each program runs only a few tiles, a batch's long tiles can
 land late on an already loaded program. ``makespan`` and ``pairs_makespan`` let the caller keep the better one.
 
 Greedy hands out whole tiles, so its end lies up to a tile's cost past the mean work: 3% at N=512, where a program
 runs 8-31 tiles. A local search then trades tiles between the most loaded program and others, within a batch or
-the next either side (_balance): forward kernel time 0.3-2.8% lower where it narrows the end (H100, NOTES 74).
+the next either side (_balance): forward kernel time 0.3-2.8% lower where it narrows the end (H100).
 
 Table layout (int32): entries [0, P] are offsets, program i's tiles being entries P + 1 + offsets[i] up to
 P + 1 + offsets[i + 1]; each entry is ((head * n_m + p) << 1) | r for query tile p of a head counted longest
 first, and r = 1 asks the tile's warpgroups to take their row blocks in reverse (the kernel's _block_of):
 consecutive tiles of a program alternate, so that where a tile's warpgroups see unequal numbers of keys each
 sees about as many over the program's run. The kernel reads the head and tile as bit fields instead, so that no tile
-starts with a division (triton_backend._fields re-encodes the entries; benchmarks/NOTES.md 57).
+starts with a division (triton_backend._fields re-encodes the entries).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _balance(owner: dict[int, int], cost: list[int], batch: list[int], programs:
     least loaded program, or by swapping one for a cheaper tile of another program from the same batch or the next
     one either side (so that a head's tiles still run about together). ``owner`` maps tile -> program and is
     changed in place. Trading two tiles for one as well narrowed the D=256 causal N=512 split's end from 104 to
-    103 x 32 keys, and its forward ran 7% slower (NOTES 74): more tiles cost more than the count says there."""
+    103 x 32 keys, and its forward ran 7% slower: more tiles cost more than the count says there."""
     work = [0] * programs
     mine: list[set[int]] = [set() for _ in range(programs)]
     for t, i in owner.items():

@@ -216,8 +216,8 @@ def _schedule(
     programs = min(total * len(costs), sms)
     table = schedule.causal_forward(total, costs, programs, batch_rounds * programs)
     pairs = min(total * ((len(costs) + 1) // 2), sms)
-    # a tie takes the table: at D=256 N=512 the count sees none (the greedy split's, before balancing: NOTES 74);
-    # measured, the table was 1-2% faster in one run, level in another (NOTES 54)
+    # a tie takes the table: at D=256 N=512 the count sees none (the greedy split's, before balancing);
+    # measured, the table was 1-2% faster in one run, level in another
     if schedule.makespan(table, costs, programs) > schedule.pairs_makespan(total, costs, pairs):
         return pairs, None, (0, 0)
     entries, bits = _fields(table[programs + 1 :], len(costs), heads, batch)

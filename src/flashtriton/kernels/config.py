@@ -9,7 +9,7 @@ backward by the same span, ``windowed`` (the band has a left bound), ``causal``,
 ``arch`` is ``"sm90"`` for Hopper, ``"cuda"`` for any other CUDA GPU, and ``"interpreter"`` for
 Triton's CPU interpreter, where tiles are small so that tiny test shapes still span several tiles
 and reach every boundary path.
-The sm90 rows won sweeps on H100 and H200 GPUs (benchmarks/NOTES.md keeps the measurements); each row's
+The sm90 rows won sweeps on H100 and H200 GPUs (benchmarks/DECISIONS.md keeps the measurements); each row's
 comment says why it won. Banded and unbanded spans may take different rows (the Gluon forward's short
 band, the portable D=128 backward's _SM90_CAUSAL_BACKWARD). The table for other CUDA GPUs is an
 unmeasured starting point that only fits shared memory.
