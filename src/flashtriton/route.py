@@ -196,15 +196,30 @@ def backward(dout, dlse, q, k, v, out, lse, p: AttentionParams, gpu: str | None 
     return _remembered(key, lambda: _backward(q, k, v, out, dout, p, gpu))
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams, gpu: str | None) -> Route:
+@dataclass(frozen=True)
+class _Call:
+    gpu: str
+    dtype: torch.dtype  # as the kernels compute (run_dtype)
+    head_dim: int
+    span: int  # keys a query row sees (AttentionParams.span)
+
+
+def _triton_call(q: torch.Tensor, k: torch.Tensor, p: AttentionParams, gpu: str | None) -> Route | _Call:
+    """The route when no kernel runs (nothing to compute, or the PyTorch path); else what the kernel tables read."""
     if q.numel() == 0 or k.numel() == 0:
         return Route(NONE)
     if gpu is None and _backend(q.device, q.dtype) == TORCH:
         return Route(TORCH)
     gpu = gpu or arch(q.device)
-    dtype, head_dim = run_dtype(q.dtype, gpu), q.shape[-1]
     _, n_q, n_k = lengths(q, k, p)
-    span = p.span(n_q, n_k)
+    return _Call(gpu, run_dtype(q.dtype, gpu), q.shape[-1], p.span(n_q, n_k))
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams, gpu: str | None) -> Route:
+    call = _triton_call(q, k, p, gpu)
+    if isinstance(call, Route):
+        return call
+    gpu, dtype, head_dim, span = call.gpu, call.dtype, call.head_dim, call.span
     cfg = config.hopper_forward_config(gpu, head_dim, dtype, banded=p.windowed, span=span)
     if cfg is not None and hopper_fits(p, cfg.rows, q, k, v):
         return Route(HOPPER, cfg)
@@ -212,14 +227,10 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionPara
 
 
 def _backward(q, k, v, out, dout, p: AttentionParams, gpu: str | None) -> Route:
-    if q.numel() == 0 or k.numel() == 0:
-        return Route(NONE)
-    if gpu is None and _backend(q.device, q.dtype) == TORCH:
-        return Route(TORCH)
-    gpu = gpu or arch(q.device)
-    dtype, head_dim = run_dtype(q.dtype, gpu), q.shape[-1]
-    _, n_q, n_k = lengths(q, k, p)
-    span = p.span(n_q, n_k)
+    call = _triton_call(q, k, p, gpu)
+    if isinstance(call, Route):
+        return call
+    gpu, dtype, head_dim, span = call.gpu, call.dtype, call.head_dim, call.span
     cfg = config.hopper_backward_config(gpu, head_dim, dtype)
     if cfg is not None and hopper_fits(p, cfg.rows, q, k, v, dout, out):
         if not p.deterministic and span >= cfg.fused_span:
