@@ -83,28 +83,29 @@ attention_backward = torch.library.custom_op(
 attention_backward.register_fake(_backward_fake)
 
 
-# The autograd formula, for the op (traced calls) and the Function (eager calls) alike. ``ctx.params`` holds the
-# call's options as the schema's values (the op) or as one AttentionParams (the Function).
+# The autograd formula, for the op (traced calls) and the Function (eager calls) alike: _gradients, with the
+# backward the caller runs (the backward op on the schema's values, or its implementation on the AttentionParams).
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, *params = inputs
-    ctx.save_for_backward(q, k, v, *output)
-    ctx.params = params
-
-
-def _backward(ctx, dout, dlse):
+def _gradients(ctx, dout, dlse, run_backward) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v, out, lse = ctx.saved_tensors
     if not lse.numel() and q.numel():
         raise RuntimeError("flashtriton: a call made without an LSE (write_lse=False) has no backward")
     # a caller may use only one of the two outputs
     dout = torch.zeros_like(out) if dout is None else dout
     dlse = torch.zeros_like(lse) if dlse is None else dlse
-    if isinstance(ctx.params[0], AttentionParams):
-        dq, dk, dv = backward(dout, dlse, q, k, v, out, lse, ctx.params[0])
-    else:
-        dq, dk, dv = attention_backward(dout, dlse, q, k, v, out, lse, *ctx.params)
-    return dq, dk, dv, *schema.no_grads(ctx.params)  # no gradient reaches ALiBi slopes or a mod's tensors
+    return run_backward(dout, dlse, q, k, v, out, lse)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, *fields = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.fields = fields
+
+
+def _backward(ctx, dout, dlse):
+    grads = _gradients(ctx, dout, dlse, lambda *tensors: attention_backward(*tensors, *ctx.fields))
+    return *grads, *schema.no_grads(ctx.fields)  # no gradient reaches ALiBi slopes or a mod's tensors
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -116,10 +117,15 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, params: AttentionParams):
         out, lse = forward(q, k, v, params)
-        _setup_context(ctx, (q, k, v, params), (out, lse))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.params = params
         return out, lse
 
-    backward = staticmethod(torch.autograd.function.once_differentiable(_backward))
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, dlse):
+        grads = _gradients(ctx, dout, dlse, lambda *tensors: backward(*tensors, ctx.params))
+        return *grads, None
 
 
 def attention(

@@ -69,11 +69,6 @@ class AttentionParams:
         return self.window_left != NO_BOUND or self.window_right != NO_BOUND
 
     @cached_property
-    def causal(self) -> bool:
-        """Exactly causal: the diagonal bounds the right side, nothing the left."""
-        return self.window_left == NO_BOUND and self.window_right == 0
-
-    @cached_property
     def diagonal(self) -> bool:
         """The right bound is the diagonal: causal, or a causal sliding window."""
         return self.window_right == 0
