@@ -30,6 +30,17 @@ def test_auto_picks_triton_on_cuda(monkeypatch):
     assert _family("cuda", torch.float32) == route.TORCH
 
 
+@hopper
+def test_hopper_without_the_tested_triton_takes_the_portable_kernels(monkeypatch):
+    """Where triton_compat finds Triton's private APIs missing (another Triton), Hopper routes to the portable
+    kernels."""
+    monkeypatch.delenv("FLASHTRITON_BACKEND", raising=False)
+    monkeypatch.setattr(route, "_ROUTES", {})
+    assert _family("cuda", torch.bfloat16) == route.HOPPER
+    monkeypatch.setattr(route.triton_compat, "PRIVATE_API_OK", False)
+    assert _family("cuda", torch.bfloat16) == route.PORTABLE
+
+
 def test_unknown_backend(monkeypatch):
     monkeypatch.setenv("FLASHTRITON_BACKEND", "cuda")
     with pytest.raises(ValueError, match="one of auto, triton, torch"):

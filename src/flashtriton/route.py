@@ -81,16 +81,16 @@ def _backend(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def arch(device: torch.device) -> str:
-    """The kernel tables' name for the GPU: "sm90" (Hopper), "cuda" (any other), "interpreter"."""
-    return "interpreter" if interpreting() else _cuda_arch(device)
+    """The kernel tables' name for the GPU: "sm90" (Hopper), "cuda" (any other), "interpreter". The Gluon kernels
+    build on private Triton APIs, checked against the tested Triton: on another, the portable kernels serve Hopper."""
+    if interpreting():
+        return "interpreter"
+    return "sm90" if _major(device) == 9 and triton_compat.PRIVATE_API_OK else "cuda"
 
 
 @functools.cache
-def _cuda_arch(device: torch.device) -> str:
-    major, _ = torch.cuda.get_device_capability(device)  # a few microseconds a call: read once per device
-    # the Gluon kernels build on private Triton APIs, checked against the tested Triton: on another, the portable
-    # kernels serve Hopper too
-    return "sm90" if major == 9 and triton_compat.PRIVATE_API_OK else "cuda"
+def _major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]  # a few microseconds a call: read once per device
 
 
 def run_dtype(dtype: torch.dtype, gpu: str | None = None) -> torch.dtype:
