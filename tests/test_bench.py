@@ -12,9 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashtriton import bench
+from flashtriton import autotune
+from flashtriton.bench import cli, progress, summary, timing
+from flashtriton.bench.cases import MODES, Case, Result, attach_ratios, attention_flops
+from flashtriton.bench.results import environment, resumable, write_json
 
-CASE = bench.Case(1, 8, 2, 16, False, "float32")
+CASE = Case(1, 8, 2, 16, False, "float32")
 CPU = torch.device("cpu")
 
 
@@ -46,20 +49,20 @@ def _scripted_timer(monkeypatch, order: list[str], times: dict[str, list[float]]
     def time_all(calls):
         taken = []
         for i in range(len(calls)):
-            bench._call(calls, i)
+            timing._call(calls, i)
             taken.append(times[order[-1]].pop(0))
         return taken
 
-    monkeypatch.setattr(bench, "_timer", lambda device: time_all)
+    monkeypatch.setattr(timing, "_timer", lambda device: time_all)
 
 
 def test_rounds_rotate_the_order_and_report_medians(monkeypatch):
     order = []
-    monkeypatch.setattr(bench, "PROVIDERS", _providers(order))
+    monkeypatch.setattr(timing, "PROVIDERS", _providers(order))
     rounds = {"a": [5.0, 1.0, 3.0], "b": [2.0, 2.5, 9.0], "c": [7.0, 6.0, 8.0]}
     _scripted_timer(monkeypatch, order, {p: list(t) for p, t in rounds.items()})
 
-    results = bench.run_case(CASE, ["a", "b", "c"], CPU, modes=("fwd",), rounds=3)
+    results = timing.run_case(CASE, ["a", "b", "c"], CPU, modes=("fwd",), rounds=3)
 
     assert order[3:] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # after each one's first call
     assert [r.provider for r in results] == ["a", "b", "c"]
@@ -67,17 +70,17 @@ def test_rounds_rotate_the_order_and_report_medians(monkeypatch):
         assert r.unavailable is None
         assert r.ms_rounds["fwd"] == rounds[r.provider]
         assert r.ms["fwd"] == sorted(rounds[r.provider])[1]
-        flops = bench.attention_flops(1, 2, 8, 8, 16, False, "fwd")
+        flops = attention_flops(1, 2, 8, 8, 16, False, "fwd")
         assert r.tflops["fwd"] == pytest.approx(flops / (r.ms["fwd"] * 1e-3) / 1e12)
         assert r.max_error > 0  # q * 2 is not attention: the error check ran on the provider's output
 
 
 def test_a_failing_provider_is_reported_and_the_others_still_timed(monkeypatch):
     order = []
-    monkeypatch.setattr(bench, "PROVIDERS", _providers(order, failing="b"))
+    monkeypatch.setattr(timing, "PROVIDERS", _providers(order, failing="b"))
     _scripted_timer(monkeypatch, order, {"a": [1.0, 2.0], "c": [3.0, 4.0]})
 
-    a, b, c = bench.run_case(CASE, ["a", "b", "c"], CPU, modes=("fwd",), rounds=2)
+    a, b, c = timing.run_case(CASE, ["a", "b", "c"], CPU, modes=("fwd",), rounds=2)
 
     assert order[2:] == ["a", "c", "c", "a"]
     assert b.unavailable == "RuntimeError: b does not run this case" and not b.ms
@@ -87,10 +90,10 @@ def test_a_failing_provider_is_reported_and_the_others_still_timed(monkeypatch):
 def test_a_provider_failing_in_a_later_round_keeps_no_times(monkeypatch):
     """Its round is timed again without it: the others' calls beside the failed one are not kept."""
     order = []
-    monkeypatch.setattr(bench, "PROVIDERS", _providers(order, failing="a", fail_at=3))
+    monkeypatch.setattr(timing, "PROVIDERS", _providers(order, failing="a", fail_at=3))
     _scripted_timer(monkeypatch, order, {"a": [1.0] * 3, "b": [1.0, 9.0, 2.0, 3.0], "c": [1.0, 9.0, 2.0, 3.0]})
 
-    a, b, c = bench.run_case(CASE, ["a", "b", "c"], CPU, modes=("fwd",), rounds=3)
+    a, b, c = timing.run_case(CASE, ["a", "b", "c"], CPU, modes=("fwd",), rounds=3)
 
     assert order[3:] == ["a", "b", "c", "b", "c", "a", "b", "c", "c", "b"]
     assert a.unavailable.startswith("OutOfMemoryError") and not a.ms and not a.ms_rounds
@@ -99,32 +102,32 @@ def test_a_provider_failing_in_a_later_round_keeps_no_times(monkeypatch):
 
 def test_the_timer_takes_the_calls_in_turn():
     """Each pass calls every provider once, starting one later each pass; each gets its median."""
-    assert bench._in_turn(3, 3, lambda i: i) == [[0, 0, 0], [1, 1, 1], [2, 2, 2]]
+    assert timing._in_turn(3, 3, lambda i: i) == [[0, 0, 0], [1, 1, 1], [2, 2, 2]]
     taken = []
-    bench._in_turn(3, 3, taken.append)
+    timing._in_turn(3, 3, taken.append)
     assert taken == [0, 1, 2, 1, 2, 0, 2, 0, 1]
     calls = []
-    ms = bench._timer(CPU)([lambda: calls.append("x"), lambda: calls.append("y")])
+    ms = timing._timer(CPU)([lambda: calls.append("x"), lambda: calls.append("y")])
     assert calls == ["x", "y", "x", "y", "y", "x", "x", "y"] and len(ms) == 2 and min(ms) >= 0
 
 
 def test_every_mode_is_timed_on_the_cpu():
     """The real timer on real providers: forward, backward through a kept graph, and both."""
-    results = bench.run_case(CASE, ["flashtriton", "standard"], CPU, modes=bench.MODES, rounds=2)
+    results = timing.run_case(CASE, ["flashtriton", "standard"], CPU, modes=MODES, rounds=2)
     for r in results:
         assert r.unavailable is None
-        assert all(len(r.ms_rounds[mode]) == 2 and r.ms[mode] > 0 for mode in bench.MODES)
+        assert all(len(r.ms_rounds[mode]) == 2 and r.ms[mode] > 0 for mode in MODES)
 
 
 def test_an_error_the_timer_cannot_pin_on_a_call_fails_the_round(monkeypatch):
     order = []
-    monkeypatch.setattr(bench, "PROVIDERS", _providers(order))
+    monkeypatch.setattr(timing, "PROVIDERS", _providers(order))
 
     def time_all(calls):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(bench, "_timer", lambda device: time_all)
-    results = bench.run_case(CASE, ["a", "b"], CPU, modes=("fwd",), rounds=2)
+    monkeypatch.setattr(timing, "_timer", lambda device: time_all)
+    results = timing.run_case(CASE, ["a", "b"], CPU, modes=("fwd",), rounds=2)
     assert all(r.unavailable == "RuntimeError: CUDA error: an illegal memory access was encountered" for r in results)
     assert not any(r.ms for r in results)
 
@@ -133,8 +136,8 @@ def test_the_timer_names_the_call_that_failed():
     def fails():
         raise ValueError("no")
 
-    with pytest.raises(bench._CallFailed) as failed:
-        bench._timer(CPU)([lambda: None, fails])
+    with pytest.raises(timing._CallFailed) as failed:
+        timing._timer(CPU)([lambda: None, fails])
     assert failed.value.index == 1 and isinstance(failed.value.error, ValueError)
 
 
@@ -142,31 +145,31 @@ def test_the_timer_names_the_call_that_failed():
 def test_the_gpu_timer_times_each_call():
     """Interleaved on the GPU, a call with 8x the work takes several times as long as the other."""
     x = torch.randn(2048, 2048, device="cuda")
-    small, large = bench._timer(torch.device("cuda"))([lambda: x @ x, lambda: [x @ x for _ in range(8)]])
+    small, large = timing._timer(torch.device("cuda"))([lambda: x @ x, lambda: [x @ x for _ in range(8)]])
     assert small > 0 and large > 4 * small
 
 
 def test_gpu_providers_are_unavailable_on_cpu():
-    (flex,) = bench.run_case(CASE, ["flex"], CPU, modes=("fwd",), rounds=2)
+    (flex,) = timing.run_case(CASE, ["flex"], CPU, modes=("fwd",), rounds=2)
     assert flex.unavailable == "needs a CUDA GPU" and not flex.ms
 
 
 def test_resume_refuses_a_run_timed_another_way(tmp_path):
-    env = bench.environment()
-    sweep = {"modes": ["fwd"], "providers": ["a"], "dtype": "float32", "rounds": 1, "timing": bench.TIMING}
+    env = environment()
+    sweep = {"modes": ["fwd"], "providers": ["a"], "dtype": "float32", "rounds": 1, "timing": timing.TIMING}
     path = str(tmp_path / "results.json")
-    bench._write_json(path, {"environment": env, "sweep": sweep}, [bench.Result(CASE, "a", ms={"fwd": 1.0})], False)
+    write_json(path, {"environment": env, "sweep": sweep}, [Result(CASE, "a", ms={"fwd": 1.0})], False)
 
-    _, kept = bench._resumable(path, env, sweep, [CASE])
+    _, kept = resumable(path, env, sweep, [CASE])
     assert [r.provider for r in kept] == ["a"]
     with pytest.raises(SystemExit, match="rounds is 1, this run's 3"):
-        bench._resumable(path, env, {**sweep, "rounds": 3}, [CASE])
+        resumable(path, env, {**sweep, "rounds": 3}, [CASE])
     with pytest.raises(SystemExit, match="autotune is False, this run's True"):
-        bench._resumable(path, {**env, "autotune": True}, sweep, [CASE])
+        resumable(path, {**env, "autotune": True}, sweep, [CASE])
     blocks = {k: v for k, v in sweep.items() if k != "timing"}  # a run from before providers were timed in turn
-    bench._write_json(path, {"environment": env, "sweep": blocks}, [bench.Result(CASE, "a", ms={"fwd": 1.0})], False)
+    write_json(path, {"environment": env, "sweep": blocks}, [Result(CASE, "a", ms={"fwd": 1.0})], False)
     with pytest.raises(SystemExit, match="timing is 'blocks', this run's 'in turn'"):
-        bench._resumable(path, env, sweep, [CASE])
+        resumable(path, env, sweep, [CASE])
 
 
 def _report():
@@ -183,7 +186,7 @@ def test_the_reports_digest_is_the_benchs():
     head = report._git("rev-parse", "HEAD")
     if head is None or report._git("status", "--porcelain", "--", report.PACKAGE):
         pytest.skip("the package here is not a commit's (CI's clean clone is)")
-    assert report.package_digest(head.decode().strip()) == bench.autotune.source_digest()
+    assert report.package_digest(head.decode().strip()) == autotune.source_digest()
 
 
 def _commit(repo: Path, message: str, files: dict[str, str]) -> str:
@@ -224,18 +227,18 @@ class _Terminal(io.StringIO):
 
 
 def _clock_reads(monkeypatch, reads: list[float]) -> None:
-    """bench's time.perf_counter returns these, one per call."""
+    """progress's time.perf_counter returns these, one per call."""
     it = iter(reads)
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(it))
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(it))
 
 
 def test_progress_in_a_log_is_a_line_per_case_with_the_time_left(monkeypatch):
     """The estimate is the time per weight so far times the weight left: after a case of weight 1 took 10 s, the
     3 of weight left take about 30 s."""
-    cases = [bench.Case(1, n, 2, 16, False) for n in (16, 32, 64)]
+    cases = [Case(1, n, 2, 16, False) for n in (16, 32, 64)]
     _clock_reads(monkeypatch, [0.0, 0.0, 10.0, 70.0, 80.0])
     log = io.StringIO()
-    assert list(bench._progress(cases, [1.0, 2.0, 1.0], log)) == cases
+    assert list(progress.progress(cases, [1.0, 2.0, 1.0], log)) == cases
     assert log.getvalue().splitlines() == [
         "0/3 cases, 0:00 elapsed, ~? left: running d16-n16",
         "1/3 cases, 0:10 elapsed, ~0:30 left: running d16-n32",
@@ -245,47 +248,47 @@ def test_progress_in_a_log_is_a_line_per_case_with_the_time_left(monkeypatch):
 
 
 def test_progress_on_a_terminal_is_one_bar_redrawn(monkeypatch):
-    cases = [bench.Case(1, n, 2, 16, False) for n in (16, 32)]
+    cases = [Case(1, n, 2, 16, False) for n in (16, 32)]
     monkeypatch.setenv("COLUMNS", "200")
     _clock_reads(monkeypatch, [0.0, 0.0, 4.0, 8.0])
     terminal = _Terminal()
-    list(bench._progress(cases, [1.0, 1.0], terminal))
+    list(progress.progress(cases, [1.0, 1.0], terminal))
     text = terminal.getvalue()
     assert text.count("\n") == 1 and text.endswith("\n")
     draws = text.rstrip("\n").split("\r")[1:]
-    assert [d.split("]")[0].count("#") for d in draws] == [0, bench.PROGRESS_BAR // 2, bench.PROGRESS_BAR]
-    assert "~0:04 left: running d16-n32" in draws[1] and draws[2].startswith(f"[{'#' * bench.PROGRESS_BAR}] 2/2")
+    assert [d.split("]")[0].count("#") for d in draws] == [0, progress.PROGRESS_BAR // 2, progress.PROGRESS_BAR]
+    assert "~0:04 left: running d16-n32" in draws[1] and draws[2].startswith(f"[{'#' * progress.PROGRESS_BAR}] 2/2")
 
 
 def test_clock():
-    assert [bench._clock(s) for s in (0, 59.6, 61, 3600 + 62)] == ["0:00", "1:00", "1:01", "1:01:02"]
+    assert [progress._clock(s) for s in (0, 59.6, 61, 3600 + 62)] == ["0:00", "1:00", "1:01", "1:01:02"]
 
 
 def _options(*argv: str):
     parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
+    cli.add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
 def test_cpu_defaults_are_named_and_flags_given_are_honoured():
-    head_dims, seqlens, dtype, notes = bench.sweep_choices(_options(), CPU)
-    assert (head_dims, seqlens, dtype) == ([64], list(bench.CPU_SEQLENS), "float32")
+    head_dims, seqlens, dtype, notes = cli.sweep_choices(_options(), CPU)
+    assert (head_dims, seqlens, dtype) == ([64], list(cli.CPU_SEQLENS), "float32")
     assert "head dim 64 (--head-dims), float32 (--dtype), lengths 512 1024 2048 (--seqlens)" in notes[0]
     assert notes[1].endswith(": sdpa-cudnn, sdpa-flash, sdpa-efficient, flex, flash_attn will be reported unavailable")
 
     options = _options("--head-dims", "128", "--dtype", "bfloat16", "--seqlens", "4096", "--providers", "standard")
-    head_dims, seqlens, dtype, notes = bench.sweep_choices(options, CPU)
+    head_dims, seqlens, dtype, notes = cli.sweep_choices(options, CPU)
     assert (head_dims, seqlens, dtype, notes) == ([128], [4096], "bfloat16", [])
-    (case,) = bench.default_cases(CPU, head_dims, seqlens, [True], dtype)
+    (case,) = cli.default_cases(CPU, head_dims, seqlens, [True], dtype)
     assert (case.head_dim, case.seqlen, case.dtype, case.causal) == (128, 4096, "bfloat16", True)
 
 
 def test_quick_takes_one_case_per_causal_flag_unless_flags_are_given():
-    assert bench.sweep_choices(_options("--quick"), CPU)[:3] == ([64], [1024], "float32")
-    assert bench.sweep_choices(_options("--quick", "--head-dims", "32"), CPU)[:2] == ([32], [1024])
+    assert cli.sweep_choices(_options("--quick"), CPU)[:3] == ([64], [1024], "float32")
+    assert cli.sweep_choices(_options("--quick", "--head-dims", "32"), CPU)[:2] == ([32], [1024])
     cuda = torch.device("cuda")
-    assert bench.sweep_choices(_options("--quick"), cuda) == ([128], [4096], "bfloat16", [])
-    assert bench.sweep_choices(_options(), cuda)[:2] == (list(bench.CUDA_HEAD_DIMS), list(bench.CUDA_SEQLENS))
+    assert cli.sweep_choices(_options("--quick"), cuda) == ([128], [4096], "bfloat16", [])
+    assert cli.sweep_choices(_options(), cuda)[:2] == (list(cli.CUDA_HEAD_DIMS), list(cli.CUDA_SEQLENS))
 
 
 def test_rounds_below_one_are_refused():
@@ -294,22 +297,22 @@ def test_rounds_below_one_are_refused():
 
 
 def test_the_summary_drops_peers_that_never_ran_and_groups_what_was_unavailable():
-    other = bench.Case(1, 32, 2, 16, False, "float32")
+    other = Case(1, 32, 2, 16, False, "float32")
     results = [
-        bench.Result(CASE, "flashtriton", ms={"fwd": 1.0}, tflops={"fwd": 0.5}, max_error=1e-6, first_call_s=3.0),
-        bench.Result(CASE, "standard", ms={"fwd": 2.0}, first_call_s=0.5),
-        bench.Result(CASE, "flex", unavailable="needs a CUDA GPU"),
-        bench.Result(other, "flashtriton", ms={"fwd": 2.0}, tflops={"fwd": 0.5}, max_error=1e-6, first_call_s=4.0),
-        bench.Result(other, "standard", unavailable="N x N scores too large"),
-        bench.Result(other, "flex", unavailable="needs a CUDA GPU"),
+        Result(CASE, "flashtriton", ms={"fwd": 1.0}, tflops={"fwd": 0.5}, max_error=1e-6, first_call_s=3.0),
+        Result(CASE, "standard", ms={"fwd": 2.0}, first_call_s=0.5),
+        Result(CASE, "flex", unavailable="needs a CUDA GPU"),
+        Result(other, "flashtriton", ms={"fwd": 2.0}, tflops={"fwd": 0.5}, max_error=1e-6, first_call_s=4.0),
+        Result(other, "standard", unavailable="N x N scores too large"),
+        Result(other, "flex", unavailable="needs a CUDA GPU"),
     ]
-    bench.attach_ratios(results)
-    table = bench.format_table(results, ["fwd"]).splitlines()
+    attach_ratios(results)
+    table = summary.format_table(results, ["fwd"]).splitlines()
     assert "x standard" in table[0] and "x flex" not in table[0]
     assert table[1].split()[-2:] == ["3.00", "2.00"] and table[2].split()[-2:] == ["4.00", "-"]
-    assert bench._tflops(512.34) == "512.3" and bench._tflops(1.2e-4) == "0.00012"  # a CPU's keep their digits
-    assert bench.unavailable_lines(results) == [
+    assert summary._tflops(512.34) == "512.3" and summary._tflops(1.2e-4) == "0.00012"  # a CPU's keep their digits
+    assert summary.unavailable_lines(results) == [
         "unavailable: flex on all 2 cases: needs a CUDA GPU",
         "unavailable: standard on d16-n32: N x N scores too large",
     ]
-    assert bench.first_calls(results).endswith("flashtriton 4.00 s (d16-n32), standard 0.50 s (d16-n8)")
+    assert summary.first_calls(results).endswith("flashtriton 4.00 s (d16-n32), standard 0.50 s (d16-n8)")

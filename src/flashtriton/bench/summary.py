@@ -1,0 +1,100 @@
+"""What a run prints and draws at its end: the table of our results and ratios, its legend, the first calls, what
+was unavailable, and the TFLOP/s plot."""
+
+from __future__ import annotations
+
+from .cases import OURS, Result
+
+
+def _tflops(x: float) -> str:
+    return f"{x:.1f}" if x >= 1 else f"{x:.2g}"  # a CPU's are thousandths
+
+
+def format_table(results: list[Result], modes) -> str:
+    """Our rows, a column of ratios per peer that ran beside us (a peer unavailable on every case has none)."""
+    ours = [r for r in results if r.provider == OURS and not r.unavailable]
+    peers = [p for p in dict.fromkeys(r.provider for r in results) if any(p in r.ratios for r in ours)]
+    lines = []
+    header = f"{'case':<22}{'mode':<9}{'ms':>9}{'TFLOP/s':>9}{'max err':>10}{'peak MiB':>10}{'1st s':>8}"
+    lines.append(header + "".join(f"{'x ' + p:>17}" for p in peers))
+    for r in ours:
+        for mode in (m for m in modes if m in r.ms):
+            ratios = [r.ratios.get(p, {}).get(mode) for p in peers]
+            memory = f"{r.peak_extra_mib:>10.1f}" if r.peak_extra_mib is not None else f"{'-':>10}"
+            row = f"{r.case.name:<22}{mode:<9}{r.ms[mode]:>9.3f}{_tflops(r.tflops[mode]):>9}"
+            row += f"{r.max_error:>10.1e}{memory}{r.first_call_s:>8.2f}"
+            lines.append(row + "".join(f"{x:>17.2f}" if x else f"{'-':>17}" for x in ratios))
+    return "\n".join(lines)
+
+
+TABLE_LEGEND = (
+    f"ms, TFLOP/s: {OURS}'s medians; max err: against an fp32 reference; peak MiB: the allocator's peak in one\n"
+    "fwd+bwd beyond what was allocated before it; 1st s: the first fwd+bwd call's seconds, JIT compile included;\n"
+    f"x peer: peer ms / {OURS} ms (above 1: {OURS} is faster)"
+)
+
+
+def first_calls(results: list[Result]) -> str:
+    """Each provider's slowest first call (compile included) over the cases, on one line."""
+    timed = [r for r in results if r.first_call_s is not None]
+    slowest = {
+        p: max((r for r in timed if r.provider == p), key=lambda r: r.first_call_s)
+        for p in dict.fromkeys(r.provider for r in timed)
+    }
+    parts = [f"{p} {r.first_call_s:.2f} s ({r.case.name})" for p, r in slowest.items()]
+    return "first fwd+bwd call, JIT compile included, slowest case: " + (", ".join(parts) or "none ran")
+
+
+def unavailable_lines(results: list[Result]) -> list[str]:
+    """One line per provider and reason: the cases it could not run."""
+    cases = {r.case for r in results}
+    missed: dict[tuple[str, str], list[str]] = {}
+    for r in results:
+        if r.unavailable:
+            missed.setdefault((r.provider, r.unavailable), []).append(r.case.name)
+    return [
+        f"unavailable: {provider} on {f'all {len(names)} cases' if len(names) == len(cases) > 1 else ', '.join(names)}"
+        f": {why}"
+        for (provider, why), names in missed.items()
+    ]
+
+
+def plot(records: list[dict], modes, path: str, title: str) -> None:
+    """One PNG: a grid of TFLOP/s-against-seqlen panels, a row per (head dim, causal), a column per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["case"]["head_dim"], r["case"]["causal"]) for r in records})
+    providers = list(dict.fromkeys(r["provider"] for r in records))
+    size = (4.2 * len(modes), 3.0 * len(groups))
+    fig, axes = plt.subplots(len(groups), len(modes), figsize=size, squeeze=False, sharex=True, layout="constrained")
+    for (head_dim, causal), row in zip(groups, axes, strict=True):
+        for mode, ax in zip(modes, row, strict=True):
+            for provider in providers:
+                pts = sorted(
+                    (r["case"]["seqlen"], r["tflops"][mode])
+                    for r in records
+                    if r["provider"] == provider
+                    and (r["case"]["head_dim"], r["case"]["causal"]) == (head_dim, causal)
+                    and mode in r["tflops"]
+                )
+                if pts:
+                    width = 2.5 if provider == OURS else 1
+                    ax.plot(*zip(*pts, strict=True), marker="o", markersize=3, label=provider, linewidth=width)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"d{head_dim}{' causal' if causal else ''} {mode}", fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.tick_params(labelsize=7)
+        row[0].set_ylabel("TFLOP/s")
+    for ax in axes[-1]:
+        ax.set_xlabel("sequence length")
+    handles: dict[str, object] = {}  # one legend for the figure: every provider drawn in any panel
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncol=len(handles), fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)

@@ -1,0 +1,228 @@
+"""Timing one case: each provider's first call, error and memory, then rounds in which the providers' calls are
+timed in turn (CUDA: each after an L2 flush, events around it; CPU: perf_counter), the medians over the rounds."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..reference import attention_reference
+from .cases import MODES, Case, Result, attention_flops
+from .providers import GPU_ONLY, PROVIDERS
+
+TIMING = "in turn"  # how a round times its providers (_timer); runs from before timed each in a block
+
+
+class _CallFailed(Exception):
+    """The index-th of the calls being timed together raised ``error``."""
+
+    def __init__(self, index: int, error: Exception):
+        super().__init__(index, error)
+        self.index, self.error = index, error
+
+
+def _call(calls: list[Callable], i: int):
+    try:
+        return calls[i]()
+    except Exception as exc:
+        raise _CallFailed(i, exc) from exc
+
+
+def _in_turn(n: int, passes: int, take: Callable[[int], Any]) -> list[list]:
+    """take(i) for every i < n in each of ``passes`` passes, one i after another, each pass starting one i later;
+    returns each i's results in order."""
+    taken = [[] for _ in range(n)]
+    for p in range(passes):
+        for j in range(n):
+            i = (p + j) % n
+            taken[i].append(take(i))
+    return taken
+
+
+def _timer(device: torch.device) -> Callable[[list[Callable]], list[float]]:
+    """``time_all(calls)``: each call's median milliseconds, the calls timed one of each in turn rather than one
+    after another in blocks: a GPU at its power cap drifts in clock under load, and a block's place in a round
+    then decided its time by up to 10%. Raises _CallFailed for a call that raises."""
+    return _cuda_in_turn if device.type == "cuda" else _cpu_in_turn
+
+
+def _cpu_in_turn(calls: list[Callable]) -> list[float]:
+    for i in range(len(calls)):
+        _call(calls, i)
+
+    def timed(i):
+        start = time.perf_counter()
+        _call(calls, i)
+        return (time.perf_counter() - start) * 1e3
+
+    return [statistics.median(ms) for ms in _in_turn(len(calls), 3, timed)]
+
+
+def _cuda_in_turn(calls: list[Callable], warmup_ms: float = 25.0, rep_ms: float = 100.0) -> list[float]:
+    """As triton.testing.do_bench (L2 flushed before every call, events around it), but the calls taken in turn:
+    about warmup_ms of untimed passes, then about rep_ms * len(calls) of timed ones (at least 5)."""
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+
+    def timed(i):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        _call(calls, i)
+        end.record()
+        return start, end
+
+    def elapsed(events):
+        torch.cuda.synchronize()
+        return [statistics.median(start.elapsed_time(end) for start, end in pairs) for pairs in events]
+
+    pass_ms = max(sum(elapsed(_in_turn(len(calls), 5, timed))), 1e-3)
+    _in_turn(len(calls), max(1, int(warmup_ms / pass_ms)), lambda i: _call(calls, i))
+    return elapsed(_in_turn(len(calls), max(5, int(rep_ms * len(calls) / pass_ms)), timed))
+
+
+def _standard_fits(case: Case, device: torch.device) -> bool:
+    """Standard attention materialises B*H*N^2 scores (several copies for backward): skip when huge."""
+    limit = 2**31 if device.type == "cuda" else 2**26
+    return case.batch * case.heads * case.seqlen**2 <= limit
+
+
+def _failure(exc: Exception) -> str:
+    first_line = str(exc).splitlines()[0][:120] if str(exc) else ""
+    return f"{type(exc).__name__}: {first_line}"
+
+
+def run_case(case: Case, providers, device: torch.device, modes=MODES, rounds: int = 1) -> list[Result]:
+    """Every provider on one case: each one's first call, error and memory, then ``rounds`` timing rounds of
+    each mode, the providers timed together (_timer), the first of them rotated from round to round. A mode's ms
+    is the median over the rounds."""
+    trials = [_Trial(Result(case, p), device) for p in providers]
+    live = [t for t in trials if t.prepare(modes)]
+    time_all = _timer(device)
+    for r in range(rounds):
+        shift = r * len(live) // rounds
+        for mode in modes:
+            _time_round(time_all, live[shift:] + live[:shift], mode)
+    for trial in trials:
+        trial.finish()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return [t.result for t in trials]
+
+
+def _time_round(time_all, trials: list[_Trial], mode: str) -> None:
+    """One round of ``mode`` for the trials still available, timed together; a provider that fails is reported
+    unavailable and the others are timed again without it. An error the timer cannot pin on one call (the GPU's,
+    found at a synchronize) is reported for all of them."""
+    while True:
+        made = [(t, t.call(mode)) for t in trials if t.result.unavailable is None]
+        made = [(t, call) for t, call in made if call is not None]  # None: the trial failed and says why
+        if not made:
+            return
+        try:
+            times = time_all([call for _, call in made])
+        except _CallFailed as failed:
+            made[failed.index][0].fail(failed.error)
+            del made  # bwd: each call holds a graph; drop them before the retry makes new ones
+            continue
+        except Exception as exc:
+            for trial, _ in made:
+                trial.fail(exc)
+            return
+        for (trial, _), ms in zip(made, times, strict=True):
+            trial.rounds.setdefault(mode, []).append(ms)
+        return
+
+
+class _Trial:
+    """One provider on one case: its inputs and forward callable, and its timings round by round."""
+
+    def __init__(self, result: Result, device: torch.device):
+        self.result, self.device = result, device
+        self.rounds: dict[str, list[float]] = {}
+
+    def prepare(self, modes) -> bool:
+        """First call (compile included), error and peak memory; False if the provider is unavailable."""
+        result, device = self.result, self.device
+        if result.provider in GPU_ONLY and device.type != "cuda":
+            result.unavailable = "needs a CUDA GPU"
+        elif result.provider == "standard" and not _standard_fits(result.case, device):
+            result.unavailable = "N x N scores too large"
+        else:
+            with self._guard():
+                self._first_call()
+        return result.unavailable is None
+
+    def _first_call(self) -> None:
+        case = self.result.case
+        dtype = getattr(torch, case.dtype)
+        shape = (case.batch, case.seqlen, case.heads, case.head_dim)
+        q, k, v = (torch.randn(shape, device=self.device, dtype=dtype, requires_grad=True) for _ in range(3))
+        self.fwd = PROVIDERS[self.result.provider](q, k, v, case.causal)
+        start = time.perf_counter()
+        out = self.fwd()
+        self.grad = torch.randn_like(out)
+        out.backward(self.grad)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.result.first_call_s = time.perf_counter() - start
+        self.result.max_error = _forward_error(out, q, k, v, case.causal)
+        self.result.peak_extra_mib = _peak_extra_mib(self.fwd, self.grad, self.device)
+
+    def call(self, mode: str) -> Callable | None:
+        """What one timed call of ``mode`` runs (bwd: a backward through a graph kept from one forward now, so a
+        round of bwd holds every provider's graph at once); None if making it failed."""
+        fwd, grad = self.fwd, self.grad
+        with self._guard():
+            if mode == "fwd":
+                return torch.no_grad()(fwd)
+            if mode == "fwd_bwd":
+                return lambda: fwd().backward(grad)
+            graph_out = fwd()
+            return lambda: graph_out.backward(grad, retain_graph=True)
+        return None
+
+    def fail(self, exc: Exception) -> None:
+        self.result.unavailable = _failure(exc)
+        self.fwd = self.grad = None
+
+    def finish(self) -> None:
+        """The medians over the rounds; drops the inputs."""
+        result = self.result
+        self.fwd = self.grad = None
+        if result.unavailable is not None:
+            return
+        case = result.case
+        for mode, times in self.rounds.items():
+            result.ms[mode] = statistics.median(times)
+            result.ms_rounds[mode] = times
+            flops = attention_flops(case.batch, case.heads, case.seqlen, case.seqlen, case.head_dim, case.causal, mode)
+            result.tflops[mode] = flops / (result.ms[mode] * 1e-3) / 1e12
+
+    @contextlib.contextmanager
+    def _guard(self):
+        try:
+            yield
+        except Exception as exc:  # a peer that does not support this case, is not installed, or runs out of memory
+            self.fail(exc)
+
+
+def _forward_error(out, q, k, v, causal) -> float:
+    one = [x[:1, :, :1].detach() for x in (q, k, v)]
+    ref, _ = attention_reference(*one, causal=causal, compute_dtype=torch.float32)
+    return (out[:1, :, :1].float() - ref).abs().max().item()
+
+
+def _peak_extra_mib(fwd, grad, device) -> float | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fwd().backward(grad)
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
