@@ -14,52 +14,56 @@ import torch
 
 import flashtriton
 
+CALLS, ROUNDS = 3000, 5
 
-def make(fn, causal, grad):
+
+def make(attention, causal: bool, grad: bool):
     q, k, v = (torch.randn(1, 128, 1, 64, device="cuda", dtype=torch.bfloat16, requires_grad=grad) for _ in range(3))
-    if not grad:
-        return lambda: fn(q, k, v, causal=causal)
+
+    def forward():
+        return attention(q, k, v, causal=causal)
 
     def step():
-        out = fn(q, k, v, causal=causal)
+        out = attention(q, k, v, causal=causal)
         out.backward(out)  # dout = out: no extra kernel per call beyond the backward's
         q.grad = k.grad = v.grad = None
 
-    return step
+    return step if grad else forward
 
 
-def wall(f, n=3000):
+def wall_us(call) -> float:
     for _ in range(50):
-        f()
+        call()
     torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        f()
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        call()
     torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
+    return (time.perf_counter() - start) / CALLS * 1e6
 
 
-for causal in (False, True):
-    for grad in (False, True):
-        fs = {
-            "base": make(flashtriton_base.flash_attn_func, causal, grad),
-            "head": make(flashtriton.flash_attn_func, causal, grad),
-        }
-        res = {name: [] for name in fs}
-        for r in range(5):
-            for name in list(fs) if r % 2 == 0 else list(fs)[::-1]:
-                res[name].append(wall(fs[name]))
-        med = {k: sorted(v)[2] for k, v in res.items()}
-        print(
-            f"causal={causal} {'fwd+bwd' if grad else 'fwd'}: base {med['base']:.1f} us, head {med['head']:.1f} us, head-base {med['head'] - med['base']:+.1f}",
-            flush=True,
-        )
-step = make(flashtriton.flash_attn_func, True, True)
-for _ in range(100):
-    step()
-prof = cProfile.Profile()
-prof.enable()
-for _ in range(2000):
-    step()
-prof.disable()
-pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+def main() -> None:
+    builds = {"base": flashtriton_base.flash_attn_func, "head": flashtriton.flash_attn_func}
+    for causal in (False, True):
+        for grad in (False, True):
+            calls = {name: make(attention, causal, grad) for name, attention in builds.items()}
+            times = {name: [] for name in calls}
+            for r in range(ROUNDS):  # alternate which build goes first
+                for name in list(calls) if r % 2 == 0 else list(calls)[::-1]:
+                    times[name].append(wall_us(calls[name]))
+            base, head = (sorted(times[name])[ROUNDS // 2] for name in builds)
+            mode = "fwd+bwd" if grad else "fwd"
+            print(f"causal={causal} {mode}: base {base:.1f} us, head {head:.1f} us, head-base {head - base:+.1f}")
+    step = make(flashtriton.flash_attn_func, True, True)
+    for _ in range(100):
+        step()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(2000):
+        step()
+    profile.disable()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
