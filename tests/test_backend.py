@@ -240,8 +240,9 @@ def test_preprocess_zeroes_the_fused_backwards_dq():
 
 
 def _fragment_positions(rows: int, width: int, half: int) -> torch.Tensor:
-    """Where the fused backward's reductions put dQ's (row, column) in its fp32 sums, by hopper._fragments' formula
-    (the buffer as (row tile, fragment row) x (column tile, config.DQ_FRAGMENT_COLS))."""
+    """Where the fused backward's reductions put dQ's (row, column) in its fp32 sums, by the formula of
+    kernels/hopper/dkdv.py's _fragments (the buffer as (row tile, fragment row) x (column tile,
+    config.DQ_FRAGMENT_COLS))."""
     row, col = torch.arange(rows)[:, None], torch.arange(width)[None, :]
     w, h, r = row % 64 // 16, row % 16 // 8, row % 8
     j, c, e = col % half // 8, col % 8 // 2, col % 2

@@ -2,7 +2,7 @@
 
 A causal head's query tiles see 1, 2, ..., n_m key tiles: unequal work. Without a table the kernel pairs
 a head's p-th longest tile with its p-th shortest, so that every pair ("unit") costs about the same, and program
-i of P runs units i, i + P, ... (kernels/hopper.py's _forward_tile). Units rarely divide evenly: 2048 units over
+i of P runs units i, i + P, ... (kernels/hopper/forward.py's _forward_tile). Units rarely divide evenly: 2048 units over
 132 SMs leave 68 programs with 16 and 64 with 15, about 3% of idle SM time at the end.
 
 The table takes the heads in batches of about ``batch_tiles`` tiles (whole heads) and hands each batch's tiles

@@ -92,7 +92,7 @@ _FRAGMENTS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=
 
 def _fragments_view(sums: torch.Tensor, rows: int, cols: int) -> Descriptor:
     """The fused backward's fp32 dQ sums (contiguous, shaped as dQ) as (row tile, fragment row) x (column tile,
-    config.DQ_FRAGMENT_COLS), in blocks of one rows x cols tile of dQ in hopper._fragments' order."""
+    config.DQ_FRAGMENT_COLS), in blocks of one rows x cols tile of dQ in kernels/hopper/dkdv.py's _fragments order."""
     width, frag = sums.shape[-2] * sums.shape[-1], config.DQ_FRAGMENT_COLS
     tile_rows = rows * cols // frag
     shape = (sums.numel() // width // rows * tile_rows, width // cols * frag)
@@ -150,8 +150,8 @@ def _sm_count(device: torch.device) -> int:
 def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperForwardConfig, recorder: Recorder):
     """The persistent Gluon forward: one program per SM (or per tile or work unit, if fewer) loops over its query
     tiles: dense causal, mostly those that schedule.py's table lists for it (the recorder holds the table), otherwise
-    units i, i + P, ... (kernels/hopper.py's _forward_tile). The _hopper_* launchers return Launcher.bind's (Bound,
-    tensors), for a Recorder."""
+    units i, i + P, ... (kernels/hopper/forward.py's _forward_tile). The _hopper_* launchers return Launcher.bind's
+    (Bound, tensors), for a Recorder."""
     batch, n, common = _hopper_common(q, k, lse, p)
     rows = cfg.consumers * cfg.block_m
     tiles = _cdiv(n, rows)
