@@ -206,19 +206,36 @@ class Bound:
         self.c_launch(*args)
 
 
+def _dense_strides(x: torch.Tensor) -> tuple[int, ...] | None:
+    """x's strides if its elements fill their span without gaps or overlaps (a permutation of a contiguous tensor's
+    dims), else None."""
+    expected = 1
+    for size, stride in sorted(zip(x.shape, x.stride(), strict=True), key=lambda dim: dim[1]):
+        if size != 1 and stride != expected:
+            return None
+        expected *= size
+    return tuple(x.stride())
+
+
+def _empty(shape: tuple[int, ...], strides: tuple[int, ...] | None, dtype: torch.dtype, device) -> torch.Tensor:
+    if strides is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.empty_strided(shape, strides, dtype=dtype, device=device)
+
+
 class Plan(NamedTuple):
     """One call's allocations and launches, for later calls of the same layout: ``plan(**inputs)`` allocates as
     the call did, launches each Bound with the tensors named in its slots, and returns every tensor by name.
     ``constants`` are tensors that every call of the layout reads (a cached schedule), held by name."""
 
-    allocations: tuple[tuple[str, tuple[int, ...], torch.dtype, torch.device], ...]
+    allocations: tuple[tuple[str, tuple[int, ...], tuple[int, ...] | None, torch.dtype, torch.device], ...]
     launches: tuple[tuple[Bound, tuple[str, ...]], ...]
     constants: tuple[tuple[str, torch.Tensor], ...] = ()
 
     def __call__(self, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
         tensors.update(self.constants)
-        for name, shape, dtype, device in self.allocations:
-            tensors[name] = torch.empty(shape, dtype=dtype, device=device)
+        for name, shape, strides, dtype, device in self.allocations:
+            tensors[name] = _empty(shape, strides, dtype, device)
         for bound, names in self.launches:
             bound([tensors[name] for name in names])
         return tensors
@@ -237,12 +254,18 @@ class Recorder:
         self.launches: list[tuple[Bound, tuple[str, ...]]] = []
         self.replayable = True
 
-    def empty(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def empty(self, name: str, shape, dtype: torch.dtype, device: torch.device, strides=None) -> torch.Tensor:
+        """A new tensor, contiguous or with the given strides."""
         shape = tuple(shape)
-        x = torch.empty(shape, dtype=dtype, device=device)
-        self.allocations.append((name, shape, dtype, device))
+        strides = None if strides is None else tuple(strides)
+        x = _empty(shape, strides, dtype, device)
+        self.allocations.append((name, shape, strides, dtype, device))
         self.tensors[name] = x
         return x
+
+    def empty_like(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """A new tensor in x's layout where x is dense (torch.empty_like's rule), else contiguous."""
+        return self.empty(name, x.shape, x.dtype, x.device, None if x.is_contiguous() else _dense_strides(x))
 
     def constant(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """x, a tensor that the plan may hold and pass to every call: one that depends on the layout alone and

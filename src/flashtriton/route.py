@@ -7,8 +7,8 @@ family's launchers. The families:
   torch     the PyTorch tiled path (torch_backend.py): CPU tensors, fp32, FLASHTRITON_BACKEND=torch
   portable  the Triton kernels of kernels/forward.py and kernels/backward.py: every feature, every GPU, the interpreter
   hopper    the Gluon kernels of kernels/hopper (sm90): plain dense, causal or causal sliding-window self-attention
-            whose sequences are whole tiles, in layouts TMA reads; the backward either fused (dK/dV adding dQ up in
-            fp32) or as a pair (dQ, then dK/dV: a fixed summation order)
+            of any length, in any layout TMA reads (strides of 16-byte multiples, the last 1); the backward either
+            fused (dK/dV adding dQ up in fp32) or as a pair (dQ, then dK/dV: a fixed summation order)
 
 Backend (environment variable FLASHTRITON_BACKEND, read at each call):
   auto (default)  Triton kernels for fp16/bf16 CUDA tensors, the PyTorch path for anything else
@@ -127,30 +127,55 @@ def tma_fits(x: torch.Tensor, block_d: int) -> bool:
     )
 
 
-def _whole_sequences(p: AttentionParams, n: int, tile: int) -> bool:
-    """Every sequence is self-attention of a whole number of tiles: n rows each or, varlen, the same cu_seqlens
-    for queries and keys, as validation read them to the host (never a new read)."""
-    if not p.varlen:
-        return n % tile == 0
+def strided_tma_fits(x: torch.Tensor) -> bool:
+    """A (B, N, H, D) tensor, as the kernels see it (a copy if its last stride is not 1), reads through a rank-4 TMA
+    descriptor of its own strides (the Gluon kernels'): D a power of two up to 256, base and strides 16-byte
+    aligned (a dim of size 1 has no stride that matters)."""
+    if x.stride(-1) != 1:
+        return _power_of_two(x.shape[-1])  # the kernels read a contiguous copy
+    size = x.element_size()
+    return (
+        _power_of_two(x.shape[-1])
+        and x.data_ptr() % 16 == 0
+        and all(n == 1 or stride * size % 16 == 0 for n, stride in zip(x.shape[:-1], x.stride()[:-1], strict=True))
+    )
+
+
+def _power_of_two(d: int) -> bool:
+    return 8 <= d <= 256 and d & (d - 1) == 0
+
+
+def _cu_seqlens(p: AttentionParams) -> list[int] | None:
+    """A varlen self-attention batch's cu_seqlens as validation read them to the host (never a new read), or None
+    where they were not read or queries and keys differ."""
     from .validation import host_read_cached
 
     found_q, starts_q = host_read_cached(p.cu_seqlens_q, "values")
     found_k, starts_k = host_read_cached(p.cu_seqlens_k, "values")
-    return found_q and found_k and starts_q == starts_k and all(start % tile == 0 for start in starts_q)
+    return starts_q if found_q and found_k and starts_q == starts_k else None
 
 
-def hopper_fits(p: AttentionParams, tile: int, *tensors: torch.Tensor) -> bool:
-    """The Gluon kernels' scope: plain dense, causal or causal sliding-window self-attention whose sequences are
-    whole numbers of ``tile`` rows, in layouts TMA reads (tensors: q, k, v and any more, (B, N, H, D) or varlen)."""
+def whole_sequences(p: AttentionParams, n: int, tile: int) -> bool:
+    """Every sequence is a whole number of ``tile`` rows (varlen: as far as the host knows)."""
+    if not p.varlen:
+        return n % tile == 0
+    starts = _cu_seqlens(p)
+    return starts is not None and all(start % tile == 0 for start in starts)
+
+
+def hopper_fits(p: AttentionParams, *tensors: torch.Tensor) -> bool:
+    """The Gluon kernels' scope: plain dense, causal or causal sliding-window self-attention (varlen: the same
+    cu_seqlens for queries and keys, known to the host), in layouts TMA reads (tensors: q, k, v and any more,
+    (B, N, H, D) or varlen)."""
     q = tensors[0]
     n = q.shape[-3]
     return (
         p.plain
         and not p.sparse
         and (p.diagonal or not p.windowed)
-        and all(x.shape[-3] == n and tma_fits(x, x.shape[-1]) for x in tensors)
+        and all(x.shape[-3] == n and strided_tma_fits(x) for x in tensors)
         and math.prod(q.shape[:-1]) < 2**31  # LSE entries: the kernels' offsets into it are 32-bit
-        and _whole_sequences(p, n, tile)
+        and (not p.varlen or _cu_seqlens(p) is not None)
     )
 
 
@@ -221,7 +246,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionPara
         return call
     gpu, dtype, head_dim, span = call.gpu, call.dtype, call.head_dim, call.span
     cfg = config.hopper_forward_config(gpu, head_dim, dtype, banded=p.windowed, span=span)
-    if cfg is not None and hopper_fits(p, cfg.rows, q, k, v):
+    # a varlen sequence that ends inside a tile has its last rows of O stored from registers: at D=256 they spill
+    if cfg is not None and hopper_fits(p, q, k, v) and (head_dim <= 128 or whole_sequences(p, 0, cfg.rows)):
         return Route(HOPPER, cfg)
     return Route(PORTABLE, config.forward_config(gpu, head_dim, dtype, span, p.plain))
 
@@ -232,8 +258,10 @@ def _backward(q, k, v, out, dout, p: AttentionParams, gpu: str | None) -> Route:
         return call
     gpu, dtype, head_dim, span = call.gpu, call.dtype, call.head_dim, call.span
     cfg = config.hopper_backward_config(gpu, head_dim, dtype)
-    if cfg is not None and hopper_fits(p, cfg.rows, q, k, v, dout, out):
-        if not p.deterministic and span >= cfg.fused_span:
+    if cfg is not None and hopper_fits(p, q, k, v, dout, out):
+        # the fused dQ sums take a varlen sequence's tiles at rows of whole tiles: there, its starts
+        aligned = not p.varlen or whole_sequences(p, 0, cfg.block_m)
+        if not p.deterministic and span >= cfg.fused_span and aligned:
             return Route(HOPPER, cfg, FUSED)  # one pass, dQ's shares added up in no fixed order
         if cfg.dq is not None:
             return Route(HOPPER, cfg, PAIR)

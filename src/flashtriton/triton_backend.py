@@ -63,7 +63,7 @@ def _user_view(x: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.
 def _tma_view(x: torch.Tensor, block_rows: int, block_d: int, enabled: bool) -> TensorDescriptor | None:
     """The (B * N, H * D) view of a (B, N, H, D) tensor whose whole in-bounds tiles the Triton kernels
     load through TMA (common.load_block), or None for pointer loads: when the config does not use TMA,
-    or the layout does not fit (_tma_fits)."""
+    or the layout does not fit (route.tma_fits)."""
     if not (enabled and route.tma_fits(x, block_d)):
         return None
     batch, n, heads, d = x.shape
@@ -74,16 +74,28 @@ _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.f
 
 
 @functools.cache
-def _shared_layout(rows: int, cols: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for([rows, cols], _GLUON_DTYPES[dtype])
+def _shared_layout(rows: int, cols: int, dtype: torch.dtype, rank: int = 2) -> gl.NVMMASharedLayout:
+    """The swizzled layout of [rows, cols] tiles, for descriptors of that rank (blocks [1, rows, 1, cols] at rank
+    4: the same bytes, kernels/hopper/primitives.py's flat_layout)."""
+    flat = gl.NVMMASharedLayout.get_default_for([rows, cols], _GLUON_DTYPES[dtype])
+    return flat if rank == 2 else gl.NVMMASharedLayout(flat.swizzle_byte_width, flat.element_bitwidth, rank)
 
 
 def _gluon_view(x: torch.Tensor, rows: int, cols: int | None = None) -> Descriptor:
-    """_tma_view for the Gluon kernel, whose descriptors also carry their shared-memory layout; blocks of rows x
-    cols (default: one head's D columns), as the fused backward's fp32 dQ takes TMA reductions in D / 2."""
-    batch, n, heads, d = x.shape
+    """A (B, N, H, D) tensor as the Gluon kernels read and write it: a rank-4 descriptor of its own strides (route.
+    strided_tma_fits), blocks of [1, rows, 1, cols] (default: one head's D columns)."""
+    batch, n, _, d = x.shape
     cols = cols or d
-    return Descriptor(x, (batch * n, heads * d), (x.stride(1), 1), (rows, cols), _shared_layout(rows, cols, x.dtype))
+    strides = (x.stride(0) if batch > 1 else n * x.stride(1), x.stride(1), x.stride(2), 1)
+    return Descriptor(x, tuple(x.shape), strides, (1, rows, 1, cols), _shared_layout(rows, cols, x.dtype, 4))
+
+
+def _sums_view(sums: torch.Tensor, rows: int, cols: int) -> Descriptor:
+    """The fused backward's fp32 dQ sums (contiguous (B, rows per batch, H, D)) as (B * rows per batch, H * D), in
+    blocks of rows x cols."""
+    width = sums.shape[-2] * sums.shape[-1]
+    shape = (sums.numel() // width, width)
+    return Descriptor(sums, shape, (width, 1), (rows, cols), _shared_layout(rows, cols, sums.dtype))
 
 
 _ROWS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
@@ -104,14 +116,16 @@ def _gluon_rows(x: torch.Tensor, rows: int) -> Descriptor:
     return Descriptor(x, (x.numel(),), (1,), (rows,), _ROWS_LAYOUT)
 
 
-def _hopper_common(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, p: AttentionParams) -> tuple[int, int, dict]:
-    """(batch, longest sequence, the arguments every Gluon kernel takes)."""
+def _hopper_common(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, p: AttentionParams, rows: int):
+    """(batch, longest sequence, the arguments every Gluon kernel takes); ``rows``: the config's tile rows, which
+    a sequence that ends inside one (RAGGED) makes the kernels mask past its end."""
     batch, n, _ = route.lengths(q, k, p)
     stride_lb, stride_lh = _lse_strides(lse, p.varlen)
     return batch, n, dict(
         stride_lb=stride_lb, stride_lh=stride_lh, N=n, H=q.shape[2], GROUP=q.shape[2] // k.shape[2],
         qk_scale=p.softmax_scale * LOG2E, window_left=max(p.window_left, 0), CU_SEQLENS=p.cu_seqlens_q,
-        CAUSAL=p.diagonal, LEFT=p.left_bounded, VARLEN=p.varlen, D=q.shape[3], num_warps=config.HOPPER_NUM_WARPS,
+        CAUSAL=p.diagonal, LEFT=p.left_bounded, VARLEN=p.varlen, RAGGED=not route.whole_sequences(p, n, rows),
+        D=q.shape[3], num_warps=config.HOPPER_NUM_WARPS,
     )  # fmt: skip
 
 
@@ -152,7 +166,7 @@ def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperFor
     tiles: dense causal, mostly those that schedule.py's table lists for it (the recorder holds the table), otherwise
     units i, i + P, ... (kernels/hopper/forward.py's _forward_tile). The _hopper_* launchers return Launcher.bind's
     (Bound, tensors), for a Recorder."""
-    batch, n, common = _hopper_common(q, k, lse, p)
+    batch, n, common = _hopper_common(q, k, lse, p, cfg.rows)
     rows = cfg.consumers * cfg.block_m
     tiles = _cdiv(n, rows)
     units = (_cdiv(tiles, 2) if common["CAUSAL"] else tiles) * batch * common["H"]
@@ -161,8 +175,9 @@ def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperFor
         recorder.constant("schedule", table)
     return _FORWARD_SM90.bind((programs,))(
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
-        _gluon_view(out, cfg.block_m, q.shape[3] // cfg.o_pieces) if cfg.stage_o else None, out, out.stride(1),
-        lse, **common, units=units, SCHEDULE=table, m_bits=bits[0], h_bits=bits[1], CONSUMERS=cfg.consumers,
+        _gluon_view(out, cfg.block_m, q.shape[3] // cfg.o_pieces) if cfg.stage_o else None, out,
+        *_strides(out, p.varlen), lse, **common, units=units, SCHEDULE=table, m_bits=bits[0], h_bits=bits[1],
+        CONSUMERS=cfg.consumers,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_STAGES=cfg.q_stages, STAGES=cfg.stages,
         TREE_ROWS=cfg.tree_rows, PINGPONG=cfg.pingpong,
     )  # fmt: skip
@@ -235,6 +250,15 @@ def _fields(entries: list[int], n_m: int, heads: int, batch: int) -> tuple[list[
         b, h = divmod(head, heads)
         fields.append((((b << h_bits | h) << m_bits | p) << 1) | (e & 1))
     return fields, (m_bits, h_bits)
+
+
+def _aligned_rows(batch: int, heads: int, rows: int, varlen: bool) -> tuple[int, ...]:
+    """The shape of the Gluon backward's aligned LSE and delta rows (config.LSE_ROWS_ALIGN): (B, H, N rounded up)
+    or, varlen, (H, room for each of the B sequences to start aligned among ``rows`` packed rows)."""
+    align = config.LSE_ROWS_ALIGN
+    if varlen:
+        return heads, (_cdiv(rows, align) + batch) * align
+    return batch, heads, _cdiv(rows, align) * align
 
 
 def _lse_strides(lse: torch.Tensor | None, varlen: bool) -> tuple[int, int]:
@@ -313,39 +337,46 @@ def _tuning_key(p: AttentionParams, head_dim: int, dtype: torch.dtype, span: int
 
 
 def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams, cfg: config.HopperBackwardConfig):
-    """dK, dV and, when dq_sums (zeroed fp32, shaped as q) is given, dQ added into it by TMA reductions."""
-    batch, n, common = _hopper_common(q, k, lse, p)
+    """dK, dV and, when dq_sums (fp32, (B, whole tiles of rows, H, D), zeroed) is given, dQ added into it by TMA
+    reductions; lse and delta in aligned rows (_aligned_rows)."""
+    batch, n, common = _hopper_common(q, k, lse, p, cfg.rows)
     head_dim = q.shape[3]
     cols = head_dim // 2 if cfg.split_d else head_dim  # of dK and dV per warpgroup
+    sums_rows = 0 if dq_sums is None else dq_sums.shape[1]
     if dq_sums is not None:  # TMA reductions of D / 2 columns per warpgroup, split_d's in two pieces
-        dq_sums = (_gluon_view if cfg.split_d else _fragments_view)(dq_sums, cfg.block_m, cols // 2)
+        dq_sums = (_sums_view if cfg.split_d else _fragments_view)(dq_sums, cfg.block_m, cols // 2)
     heads, blocks = batch * k.shape[2], _cdiv(n, cfg.keys)
     order_heads = min(max(cfg.order_programs // blocks, 1), config.ORDER_HEADS, heads) if common["CAUSAL"] else 1
     return _DKDV_SM90.bind((blocks * heads,))(
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
         _gluon_view(dout, cfg.block_m), _gluon_view(dk, cfg.block_n, cols), _gluon_view(dv, cfg.block_n, cols),
-        dq_sums, _gluon_rows(lse, cfg.block_m), _gluon_rows(delta, cfg.block_m), softmax_scale=p.softmax_scale,
-        order_heads=order_heads, **common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+        dk, *_strides(dk, p.varlen), dv, *_strides(dv, p.varlen), dq_sums, sums_rows, _gluon_rows(lse, cfg.block_m),
+        _gluon_rows(delta, cfg.block_m), softmax_scale=p.softmax_scale, order_heads=order_heads, **common,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
         DQ_LATE=cfg.dq_late, READ_AHEAD=cfg.read_ahead, SPLIT_D=cfg.split_d,
     )  # fmt: skip
 
 
 def _dq_convert(sums: torch.Tensor, dq: torch.Tensor, cfg: config.HopperBackwardConfig):
-    """dQ in its dtype from the fused kernel's fp32 sums, laid out as _hopper_dkdv's reductions left them."""
+    """dQ in its dtype and layout from the fused kernel's fp32 sums, laid out as _hopper_dkdv's reductions left
+    them."""
     width, half = dq.shape[-2] * dq.shape[-1], dq.shape[-1] // 2
-    return _DQ_CONVERT.bind((dq.numel() // width // cfg.block_m, width // half))(
-        sums, dq, width, BLOCK_M=cfg.block_m, HALF=half, FRAGMENTS=not cfg.split_d,
-        FRAGMENT_COLS=config.DQ_FRAGMENT_COLS,
+    return _DQ_CONVERT.bind((sums.numel() // width // cfg.block_m, width // half))(
+        sums, dq, *dq.stride()[:3], dq.shape[1], sums.shape[1], width, D=dq.shape[-1], BLOCK_M=cfg.block_m,
+        HALF=half, FRAGMENTS=not cfg.split_d, FRAGMENT_COLS=config.DQ_FRAGMENT_COLS,
     )  # fmt: skip
 
 
-def _hopper_dq(q, k, v, out, dout, lse, dlse, delta, dq, p: AttentionParams, cfg: config.HopperBackwardConfig):
-    """dQ, and delta = rowsum(dO * O) - dLSE (written for the dK/dV kernel) in the same pass."""
-    batch, n, common = _hopper_common(q, k, lse, p)
+def _hopper_dq(q, k, v, out, dout, lse, dlse, delta, lse_rows, dq, p: AttentionParams, cfg):
+    """dQ, and delta = rowsum(dO * O) - dLSE and a copy of the LSE (in aligned rows, for the dK/dV kernel) in the
+    same pass."""
+    batch, n, common = _hopper_common(q, k, lse, p, cfg.rows)
     tiles = cfg.dq
+    stride_rb, stride_rh = _lse_strides(delta, p.varlen)
     return _DQ_SM90.bind((_cdiv(n, 2 * tiles.block_m), batch * common["H"]))(
         _gluon_view(q, tiles.block_m), _gluon_view(k, tiles.block_n), _gluon_view(v, tiles.block_n),
-        _gluon_view(dout, tiles.block_m), _gluon_view(dq, tiles.block_m), lse, delta, out, dlse, out.stride(1),
+        _gluon_view(dout, tiles.block_m), _gluon_view(dq, tiles.block_m), dq, *_strides(dq, p.varlen), lse, delta,
+        lse_rows, out, dlse, *_strides(out, p.varlen), stride_rb=stride_rb, stride_rh=stride_rh,
         softmax_scale=p.softmax_scale, **common, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, STAGES=tiles.stages,
     )  # fmt: skip
 
@@ -378,7 +409,6 @@ def forward(
                 return _written(out, lse)
 
             candidates = config.hopper_forward_candidates(head_dim, cfg)
-            candidates = [c for c in candidates if route.hopper_fits(p, c.rows, q, k, v)]
             tuning = _tuning_key(p, head_dim, run_dtype, p.span(n_q, n_k), lse is not None)
             cfg = autotune.choose("gluon forward", tuning, cfg, candidates, run, q.device)
         recorder.add(_hopper_forward(q, k, v, out, lse, p, cfg, recorder))
@@ -452,15 +482,22 @@ def backward(
     batch, n_q, n_k = route.lengths(q, k, p)
     heads, head_dim, heads_k = q.shape[2], q.shape[3], k.shape[2]
     fused = r.dq == route.FUSED
-    delta = recorder.empty("delta", lse.shape, torch.float32, q.device)
-    # the fused kernel adds dQ's shares up in fp32, zeroed by the preprocess kernel, and converts them after
-    dq_sums = recorder.empty("dq_sums", q.shape, torch.float32, q.device) if fused else None
-    dq = recorder.empty("dq", q.shape, run_dtype, q.device)
-    dk = recorder.empty("dk", k.shape, run_dtype, q.device)
-    dv = recorder.empty("dv", v.shape, run_dtype, q.device)
+    gluon = r.family == route.HOPPER
+    # the Gluon dK/dV kernel's LSE and delta in aligned rows (config.LSE_ROWS_ALIGN), which delta's pass writes
+    rows_shape = _aligned_rows(batch, heads, q.shape[1], p.varlen) if gluon else lse.shape
+    delta = recorder.empty("delta", rows_shape, torch.float32, q.device)
+    lse_rows = recorder.empty("lse_rows", rows_shape, torch.float32, q.device) if gluon else None
+    # the fused kernel adds dQ's shares up in fp32, zeroed by the preprocess kernel, and converts them after: rows
+    # of whole tiles per batch (a dense sequence may end inside its last)
+    dq_sums = None
+    if fused:
+        sums_shape = (q.shape[0], _cdiv(q.shape[1], r.config.block_m) * r.config.block_m, *q.shape[2:])
+        dq_sums = recorder.empty("dq_sums", sums_shape, torch.float32, q.device)
+    # the gradients in their inputs' layouts, as flash_attn's (a model's (B, H, N, D) storage seen as (B, N, H, D))
+    dq, dk, dv = (recorder.empty_like(name, x) for name, x in (("dq", q), ("dk", k), ("dv", v)))
     if r.dq == route.PAIR:  # dQ's own pass, which also computes delta for the dK/dV kernel after it
-        recorder.add(_hopper_dq(q, k, v, out, dout, lse, dlse, delta, dq, p, r.config))
-        recorder.add(_hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, None, p, r.config))
+        recorder.add(_hopper_dq(q, k, v, out, dout, lse, dlse, delta, lse_rows, dq, p, r.config))
+        recorder.add(_hopper_dkdv(q, k, v, dout, lse_rows, delta, dk, dv, None, p, r.config))
         _keep(key, recorder)
         return _shaped((dq, dk, dv), shapes, grad_dtype)
     block_d = config.block_d(head_dim)
@@ -468,12 +505,13 @@ def backward(
     lse_strides = _lse_strides(lse, p.varlen)
     block = config.PREPROCESS_BLOCK_M
     recorder.add(_PREPROCESS.bind((_cdiv(n_q, block), batch * heads))(
-        out, dout, dlse, delta, dq_sums,
-        *_strides(out, p.varlen), *_strides(dout, p.varlen), *_strides(dq, p.varlen), *lse_strides,
-        N_Q=n_q, CU_SEQLENS_Q=p.cu_seqlens_q, BLOCK_M=block, VARLEN=p.varlen, **common,
+        out, dout, dlse, delta, dq_sums, lse, lse_rows,
+        *_strides(out, p.varlen), *_strides(dout, p.varlen), *_strides(dq if dq_sums is None else dq_sums, p.varlen),
+        *lse_strides, *_lse_strides(delta, p.varlen), N_Q=n_q, CU_SEQLENS_Q=p.cu_seqlens_q, BLOCK_M=block,
+        VARLEN=p.varlen, ALIGN=config.LSE_ROWS_ALIGN if gluon else 0, **common,
     ))  # fmt: skip
     if fused:  # one pass: dK, dV and dQ, whose shares the key tiles add up in no fixed order
-        recorder.add(_hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p, r.config))
+        recorder.add(_hopper_dkdv(q, k, v, dout, lse_rows, delta, dk, dv, dq_sums, p, r.config))
         recorder.add(_dq_convert(dq_sums, dq, r.config))
         _keep(key, recorder)
         return _shaped((dq, dk, dv), shapes, grad_dtype)

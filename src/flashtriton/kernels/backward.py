@@ -52,14 +52,17 @@ from .common import (
 
 @triton.jit(do_not_specialize=["N_Q", "H"])
 def attention_backward_preprocess_kernel(
-    O, DO, DLSE, DELTA, DQ,
+    O, DO, DLSE, DELTA, DQ, LSE, LSE_ROWS,
     stride_ob, stride_om, stride_oh,
     stride_dob, stride_dom, stride_doh,
     stride_dqb, stride_dqm, stride_dqh,
-    stride_lb, stride_lh,
+    stride_lb, stride_lh, stride_rb, stride_rh,
     N_Q, H, CU_SEQLENS_Q,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
+    """delta = rowsum(dO * O) - dLSE into DELTA: laid out as DLSE (strides stride_lb, stride_lh) or, with ALIGN, in
+    the Gluon backward's aligned rows (stride_rb, stride_rh: config.LSE_ROWS_ALIGN), LSE copied beside it into
+    LSE_ROWS; and DQ (not None: the fused Gluon backward's fp32 sums) zeroed."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -73,22 +76,32 @@ def attention_backward_preprocess_kernel(
     do = load_tile(do_ptrs, rows, N_Q, offs_d, D, False, BLOCK_D == D).to(tl.float32)
     row_ptrs = b * stride_lb + h * stride_lh + q_start + rows
     dlse = tl.load(DLSE + row_ptrs, mask=rows < N_Q, other=0.0)
-    tl.store(DELTA + row_ptrs, tl.sum(o * do, 1) - dlse, mask=rows < N_Q)
-    if DQ is not None:
+    if ALIGN:  # and zeros up to the next whole ALIGN rows, which the Gluon dK/dV kernel reads
+        start = q_start
+        if VARLEN:
+            start = (tl.cdiv(q_start, ALIGN) + b) * ALIGN
+        out_rows = b * stride_rb + h * stride_rh + start + rows
+        room = rows < tl.cdiv(N_Q, ALIGN) * ALIGN
+        tl.store(LSE_ROWS + out_rows, tl.load(LSE + row_ptrs, mask=rows < N_Q, other=0.0), mask=room)
+    else:
+        out_rows = row_ptrs
+        room = rows < N_Q
+    tl.store(DELTA + out_rows, tl.sum(o * do, 1) - dlse, mask=room)
+    if DQ is not None:  # the fused Gluon backward's fp32 sums: whole tiles (BLOCK_M is its block_m), past N_Q too
         dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + (q_start + rows[:, None]) * stride_dqm + offs_d[None, :]
-        store_tile(dq_ptrs, tl.zeros_like(o), rows, N_Q, offs_d, D, False, BLOCK_D == D)
+        store_tile(dq_ptrs, tl.zeros_like(o), rows, N_Q, offs_d, D, True, BLOCK_D == D)
 
 
 @triton.jit
 def attention_backward_dq_convert_kernel(
-    DQ_SUMS, DQ, COLS, BLOCK_M: tl.constexpr, HALF: tl.constexpr, FRAGMENTS: tl.constexpr,
-    FRAGMENT_COLS: tl.constexpr,
+    DQ_SUMS, DQ, stride_dqb, stride_dqm, stride_dqh, N, SUMS_ROWS, COLS, D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HALF: tl.constexpr, FRAGMENTS: tl.constexpr, FRAGMENT_COLS: tl.constexpr,
 ):  # fmt: skip
-    """Grid (rows / BLOCK_M, COLS / HALF): DQ (rows x COLS, contiguous, in the gradients' dtype) from the fused
-    Hopper backward's fp32 sums of the same size, a tile of BLOCK_M x HALF per program. FRAGMENTS: the sums are laid
-    out for the kernel's reductions: a tile's values as hopper/dkdv.py's _fragments orders a wgmma accumulator
-    (BLOCK_M = 64), the buffer's rows as (row tile, fragment row) and its columns as (column tile, FRAGMENT_COLS).
-    Else row-major, as DQ."""
+    """Grid (B * SUMS_ROWS / BLOCK_M, COLS / HALF): DQ ((B, N, H, D), any strides, in the gradients' dtype) from the
+    fused Hopper backward's fp32 sums, (B, SUMS_ROWS, H, D) contiguous (SUMS_ROWS >= N, whole BLOCK_M tiles; COLS =
+    H * D), a tile of BLOCK_M x HALF per program. FRAGMENTS: the sums are laid out for the kernel's reductions: a
+    tile's values as hopper/dkdv.py's _fragments orders a wgmma accumulator (BLOCK_M = 64), the buffer's rows as (row
+    tile, fragment row) and its columns as (column tile, FRAGMENT_COLS). Else row-major."""
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     if FRAGMENTS:
@@ -99,11 +112,15 @@ def attention_backward_dq_convert_kernel(
         # (w, j, r, c, h, e) -> (w, h, r, j, c, e): row 16w + 8h + r, column 8j + 2c + e
         sums = tl.permute(tl.reshape(sums, [4, HALF // 8, 8, 4, 2, 2]), (0, 4, 2, 1, 3, 5))
         sums = tl.reshape(sums, [BLOCK_M, HALF])
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    at = rows[:, None] * COLS + pid_n * HALF + tl.arange(0, HALF)[None, :]
-    if not FRAGMENTS:
-        sums = tl.load(DQ_SUMS + at)
-    tl.store(DQ + at, sums.to(DQ.dtype.element_ty))
+    else:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        sums = tl.load(DQ_SUMS + rows[:, None] * COLS + pid_n * HALF + tl.arange(0, HALF)[None, :])
+    b = pid_m * BLOCK_M // SUMS_ROWS
+    rows = pid_m * BLOCK_M % SUMS_ROWS + tl.arange(0, BLOCK_M)
+    col0 = pid_n * HALF  # within one head: HALF divides D
+    at = DQ + b * stride_dqb + col0 // D * stride_dqh + col0 % D
+    at += rows[:, None] * stride_dqm + tl.arange(0, HALF)[None, :]
+    tl.store(at, sums.to(DQ.dtype.element_ty), mask=rows[:, None] < N)
 
 
 @triton.jit

@@ -121,6 +121,11 @@ ORDER_HEADS = 16
 # Rows of the preprocessing kernel (delta = rowsum(dO * O)) per program.
 PREPROCESS_BLOCK_M = 64
 
+# The Gluon dK/dV kernel reads LSE and delta through TMA, whose boxes must start 16-byte aligned: its backward keeps
+# them in rows of whole LSE_ROWS_ALIGN-entry tiles (a varlen sequence b's from LSE_ROWS_ALIGN * (cdiv(cu[b],
+# LSE_ROWS_ALIGN) + b) on), written by the pass that computes delta.
+LSE_ROWS_ALIGN = 64
+
 # fp32 values per row of the fused Hopper backward's dQ reductions in fragment order (hopper/dkdv.py's _fragments),
 # through an unswizzled tile: 1 KB rows beat 128-byte swizzled ones on causal spans, at some cost at D=128 dense
 DQ_FRAGMENT_COLS = 256

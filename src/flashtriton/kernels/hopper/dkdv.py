@@ -40,9 +40,11 @@ from .primitives import (
     PRODUCER_REGISTERS,
     PRODUCER_WARPS,
     TWO_CONSUMER_REGISTERS,
+    at,
     band_only,
     barriers,
     fill,
+    flat_layout,
     give,
     halves,
     mma_layout,
@@ -50,25 +52,26 @@ from .primitives import (
     outside_band,
     resident,
     ring,
+    rows_start,
     sequence,
     store,
+    store_rows,
     take,
     tiles,
 )
 
 
 @gluon.jit
-def _dkdv_producer(q_desc, do_desc, lse_desc, delta_desc, steps, q_row, first_col, lse_row, stride_lh, n_steps, GROUP,
-                   BLOCK_M: gl.constexpr, D: gl.constexpr):  # fmt: skip
-    """Streams (Q, dO, LSE, delta) tiles into the ring ``steps``, n_steps per query head of the GQA group, from query
-    row q_row (LSE entry lse_row) on."""
+def _dkdv_producer(q_desc, do_desc, lse_desc, delta_desc, steps, q, lse_row, stride_lh, n_steps, GROUP,
+                   BLOCK_M: gl.constexpr):  # fmt: skip
+    """Streams (Q, dO, LSE, delta) tiles into the ring ``steps``, n_steps per query head of the GQA group, from
+    coordinate q (of the group's first head; LSE entry lse_row) on."""
     for g in range(GROUP):
         for j in range(n_steps):
             it = g * n_steps + j
-            row = q_row + j * BLOCK_M
-            col = first_col + g * D
+            row = [q[0], q[1] + j * BLOCK_M, q[2] + g, 0]
             lse = lse_row + g * stride_lh + j * BLOCK_M
-            fill((q_desc, do_desc, lse_desc, delta_desc), ([row, col], [row, col], [lse], [lse]), steps, it)
+            fill((q_desc, do_desc, lse_desc, delta_desc), (row, row, [lse], [lse]), steps, it)
 
 
 @gluon.jit
@@ -121,13 +124,34 @@ def _piece_add(desc, coord, value, smem):
 
 
 @gluon.jit
-def _dkdv_consumer(dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_row, kv_col, n0, first_query, q_row,
+def _ragged(p_t, rows, keys, n, RAGGED: gl.constexpr):
+    """p_t (keys x queries) with the entries of queries or keys past the sequence's n zeroed, where RAGGED: their
+    rows of Q and dO are zeros or another sequence's, which no in-band test excludes."""
+    if RAGGED:
+        p_t = gl.where(gl.expand_dims(keys < n, 1) & gl.expand_dims(rows < n, 0), p_t, 0.0)
+    return p_t
+
+
+@gluon.jit
+def _store_keys(desc, out, value, smem, coord, rows_left, VARLEN: gl.constexpr, RAGGED: gl.constexpr):
+    """dK or dV's tile at coord: through TMA, or from registers where a varlen sequence ends inside it (out: the
+    tensor and its strides; rows_left: the sequence's rows from coord on)."""
+    if VARLEN and RAGGED and rows_left < value.shape[0]:
+        store_rows(out[0], out[1], coord, value, rows_left)
+    else:
+        store(desc, value, smem, coord)
+
+
+@gluon.jit
+def _dkdv_consumer(dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv, outs, n0, n, first_query, sums_row,
                    q_col, n_steps, GROUP, qk_scale, softmax_scale, window_left, W: gl.constexpr, FUSED: gl.constexpr,
                    DQ_LATE: gl.constexpr, READ_AHEAD: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):  # fmt: skip
-    """Warpgroup W's BLOCK_N keys (rows kv_row + W * BLOCK_N on; n0 + W * BLOCK_N on in the sequence): for
-    each query tile of the ring ``steps``, S^T = K Q^T and dP^T = V dO^T (both from shared memory), then
-    dV += P^T dO and dK += dS^T Q with P^T and dS^T from registers.
+                   VARLEN: gl.constexpr, RAGGED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   D: gl.constexpr):  # fmt: skip
+    """Warpgroup W's BLOCK_N keys (coordinate kv's rows + W * BLOCK_N on; n0 + W * BLOCK_N on in the sequence of n):
+    for each query tile of the ring ``steps``, S^T = K Q^T and dP^T = V dO^T (both from shared memory), then
+    dV += P^T dO and dK += dS^T Q with P^T and dS^T from registers. outs: ((dK, strides), (dV, strides)) for
+    _store_keys; sums_row, q_col: the first query tile's coordinate in the dQ sums.
 
     FUSED, with dq_sums = (dq_desc, ds_bufs, ds_ready, dq_bufs): also dQ += dS K for the tile, added into
     dq_desc's fp32 rows by TMA reductions. Both warpgroups put their dS^T in shared memory (ds_bufs: [parity]
@@ -155,7 +179,7 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_
     dk = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
     dv = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
     keys = first_key + gl.arange(0, BLOCK_N, gl.SliceLayout(1, s_layout))
-    dq_at = [q_row, q_col + W * half]  # LATE: where the dQ in flight goes (step 0's zeros: anywhere)
+    dq_at = [sums_row, q_col + W * half]  # LATE: where the dQ in flight goes (step 0's zeros: anywhere)
     if FUSED:
         ds_ready = dq_sums[2]
         if LATE:
@@ -185,6 +209,7 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_
                 # FUSED: every step, as a branch here makes ptxas serialise the fused kernel's wgmmas (C7512)
                 if FUSED or outside_band(q0, q0 + BLOCK_M - 1, first_key, first_key + BLOCK_N - 1, window_left, LEFT):
                     p_t = band_only(p_t, rows, keys, window_left, LEFT)
+            p_t = _ragged(p_t, rows, keys, n, RAGGED)
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv, is_async=True)
             if not READ_AHEAD:
                 delta = delta_bufs.index(s).load(queries)
@@ -198,14 +223,14 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_
                 # _dq_add's fence covers the dS^T store too: one wait for both to land
                 _dq_add(dq_sums, warpgroup_mma_wait(2, deps=(dq, ds0, ds1))[0], dq_at, softmax_scale, W)
                 mbarrier.arrive(ds_ready.index((it + 1) % 2), count=1)
-                dq_at = [q_row + j * BLOCK_M, q_col + g * D + W * half]
+                dq_at = [sums_row + j * BLOCK_M, q_col + g * D + W * half]
                 dk, dv = warpgroup_mma_wait(0, deps=(dk, dv, q, do))[:2]
             elif FUSED:
                 fence_async_shared()
                 mbarrier.arrive(ds_ready.index((it + 1) % 2), count=1)
                 dq, ds0, ds1 = _dq_issue(dq_sums, k_bufs, it + 1, zero_q, W)
                 dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq, q, do, ds0, ds1))[:3]
-                _dq_add(dq_sums, dq, [q_row + j * BLOCK_M, q_col + g * D + W * half], softmax_scale, W)
+                _dq_add(dq_sums, dq, [sums_row + j * BLOCK_M, q_col + g * D + W * half], softmax_scale, W)
             else:
                 dk, dv = warpgroup_mma_wait(0, deps=(dk, dv, q, do))[:2]
             give(steps, it)
@@ -219,8 +244,9 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_
     if FUSED:
         mbarrier.arrive(ds_ready.index((n_all + 1) % 2), count=1)
         mbarrier.wait(ds_ready.index((n_all + 1) % 2), ((n_all + 1) // 2) & 1)
-    store(dk_desc, dk * softmax_scale, k_smem, kv_row + W * BLOCK_N, kv_col)
-    store(dv_desc, dv, v_smem, kv_row + W * BLOCK_N, kv_col)
+    coord = at(kv, W * BLOCK_N)
+    _store_keys(dk_desc, outs[0], dk * softmax_scale, k_smem, coord, n - first_key, VARLEN, RAGGED)
+    _store_keys(dv_desc, outs[1], dv, v_smem, coord, n - first_key, VARLEN, RAGGED)
 
 
 @gluon.jit
@@ -235,9 +261,10 @@ def _exchange(bars, it):
 
 @gluon.jit
 def _dkdv_split_consumer(dk_desc, dv_desc, dq_desc, k_smem, v_smem, steps, pt_bufs, dst_bufs, p_ready, ds_ready,
-                         kv_bar, kv_row, kv_col, first_key, first_query, q_row, q_col, n_steps, GROUP, qk_scale,
+                         kv_bar, kv, outs, first_key, n, first_query, sums_row, q_col, n_steps, GROUP, qk_scale,
                          softmax_scale, window_left, W: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):  # fmt: skip
+                         VARLEN: gl.constexpr, RAGGED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         D: gl.constexpr):  # fmt: skip
     """Warpgroup W's half of D's columns for the program's BLOCK_N keys, which both warpgroups share: at D = 256 a
     warpgroup's registers hold dK and dV for 64 keys x 128 columns, not 256. Per streamed query tile it takes S^T
     and dP^T for its half of the tile's queries (K, V, Q, dO from shared memory) and puts P^T and dS^T there
@@ -282,9 +309,10 @@ def _dkdv_split_consumer(dk_desc, dv_desc, dq_desc, k_smem, v_smem, steps, pt_bu
                 tma.store_wait(0)
                 give(steps, it + STAGES - 1)  # position it - 1 (plus a lap: a remainder of a non-negative number)
             p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
+            rows = first_query + j * BLOCK_M + W * QH + gl.arange(0, QH, queries)
             if CAUSAL:  # every step: a branch here could make ptxas serialise the wgmmas (C7512)
-                rows = first_query + j * BLOCK_M + W * QH + gl.arange(0, QH, queries)
                 p_t = band_only(p_t, rows, keys, window_left, LEFT)
+            p_t = _ragged(p_t, rows, keys, n, RAGGED)
             pt = pt_bufs.index(it % 2)
             pt.slice(W * QH, QH, dim=1).store(p_t.to(dtype))
             _exchange(p_ready, it)
@@ -297,33 +325,38 @@ def _dkdv_split_consumer(dk_desc, dv_desc, dq_desc, k_smem, v_smem, steps, pt_bu
             dk = warpgroup_mma(dst, q.slice(W * DH, DH, dim=1), dk, is_async=True)
             dv, dq = warpgroup_mma_wait(1, deps=(dv, dq, pt, dst, do, k_cols))[:2]
             lo, hi = halves(dq * softmax_scale)
-            at = q_row + j * BLOCK_M
+            row = sums_row + j * BLOCK_M
             col = q_col + g * D + W * DH
-            _piece_add(dq_desc, [at, col], lo, do_pieces.index(2 * s + W))  # this dV is done with those columns
+            _piece_add(dq_desc, [row, col], lo, do_pieces.index(2 * s + W))  # this dV is done with those columns
             dk = warpgroup_mma_wait(0, deps=(dk, q))[0]
-            _piece_add(dq_desc, [at, col + DH // 2], hi, q_pieces.index(2 * s + W))  # and this dK
+            _piece_add(dq_desc, [row, col + DH // 2], hi, q_pieces.index(2 * s + W))  # and this dK
 
     # (the last step's slot is not needed again.) Once the other warpgroup too is done with K and V, their tiles stage
     # this one's dK and dV columns
     _exchange(p_ready, GROUP * n_steps)
-    store(dk_desc, dk * softmax_scale, k_cols, kv_row, kv_col + W * DH)
-    store(dv_desc, dv, v_smem.slice(W * DH, DH, dim=1), kv_row, kv_col + W * DH)
+    coord = [kv[0], kv[1], kv[2], W * DH]
+    _store_keys(dk_desc, outs[0], dk * softmax_scale, k_cols, coord, n - first_key, VARLEN, RAGGED)
+    _store_keys(dv_desc, outs[1], dv, v_smem.slice(W * DH, DH, dim=1), coord, n - first_key, VARLEN, RAGGED)
 
 
 @gluon.jit
 def attention_backward_dkdv_sm90_kernel(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc, stride_lb, stride_lh, N, H,
-    GROUP, qk_scale, softmax_scale, window_left, CU_SEQLENS, order_heads,
-    CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    D: gl.constexpr, STAGES: gl.constexpr, DQ_LATE: gl.constexpr, READ_AHEAD: gl.constexpr, SPLIT_D: gl.constexpr,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, DK, stride_dkb, stride_dkm, stride_dkh, DV, stride_dvb,
+    stride_dvm, stride_dvh, dq_desc, sums_rows, lse_desc, delta_desc, stride_lb, stride_lh, N, H, GROUP, qk_scale,
+    softmax_scale, window_left, CU_SEQLENS, order_heads,
+    CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, RAGGED: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, DQ_LATE: gl.constexpr, READ_AHEAD: gl.constexpr,
+    SPLIT_D: gl.constexpr,
 ):  # fmt: skip
-    """Grid (N / KEYS * B * HKV,): dK, dV of KEYS keys of one K/V head, two consumer warpgroups and a producer warp
-    streaming the (Q, dO, LSE, delta) tiles of the GQA group through a ring of STAGES slots; lse/delta_desc: LSE and
-    DELTA as flat vectors, in blocks of BLOCK_M entries. The warpgroups take BLOCK_N keys each (KEYS = 2 * BLOCK_N)
+    """Grid (cdiv(N, KEYS) * B * HKV,): dK, dV of KEYS keys of one K/V head, two consumer warpgroups and a producer
+    warp streaming the (Q, dO, LSE, delta) tiles of the GQA group through a ring of STAGES slots; lse/delta_desc: LSE
+    and DELTA in their aligned rows (strides stride_lb, stride_lh; primitives.rows_start) as flat vectors, in blocks
+    of BLOCK_M entries. The warpgroups take BLOCK_N keys each (KEYS = 2 * BLOCK_N)
     or, SPLIT_D, the same KEYS = BLOCK_N keys and half of D's columns each (_dkdv_split_consumer). k/v_desc: blocks
     of BLOCK_N x D; dk/dv_desc: of BLOCK_N x D, or D / 2 when SPLIT_D. dq_desc: None, or the fp32 sums to which these
-    keys' dQ shares are added (TMA reductions): laid out as _dq_add says, or, SPLIT_D, (B * N, H * D) rows in blocks
-    of BLOCK_M x D / 4."""
+    keys' dQ shares are added (TMA reductions), sums_rows rows per batch: laid out as _dq_add says, or, SPLIT_D,
+    (B * sums_rows, H * D) in blocks of BLOCK_M x D / 4. DK, DV: dK and dV again, with their strides, for the
+    register stores of a varlen sequence's last keys (_store_keys)."""
     KEYS: gl.constexpr = BLOCK_N if SPLIT_D else 2 * BLOCK_N
     # programs in groups of order_heads K/V heads, each group's key blocks in order: its first blocks (causal: the
     # longest) before the next
@@ -337,12 +370,12 @@ def attention_backward_dkdv_sm90_kernel(
     b = pid_bh // hkv
     hk = pid_bh % hkv
     n0 = pid_n * KEYS
-    seq0, N, lse0 = sequence(CU_SEQLENS, b, N, VARLEN)
+    bc, seq0, N, _ = sequence(CU_SEQLENS, b, N, VARLEN)
     if VARLEN:
         if n0 >= N:
             return
-    kv_row = seq0 + n0
-    kv_col = hk * D
+    kv = [bc, seq0 + n0, hk, 0]
+    outs = ((DK, (stride_dkb, stride_dkm, stride_dkh)), (DV, (stride_dvb, stride_dvm, stride_dvh)))
 
     q_bufs = tiles(q_desc, STAGES)
     do_bufs = tiles(do_desc, STAGES)
@@ -353,12 +386,12 @@ def attention_backward_dkdv_sm90_kernel(
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
     steps = ((q_bufs, do_bufs, lse_bufs, delta_bufs), steps[1], steps[2])
     mbarrier.expect(kv_bar, KEYS // BLOCK_N * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
-    k_bufs = resident(k_desc, kv_bar, kv_row, kv_col, KEYS // BLOCK_N)
-    v_bufs = resident(v_desc, kv_bar, kv_row, kv_col, KEYS // BLOCK_N)
+    k_bufs = resident(k_desc, kv_bar, kv, KEYS // BLOCK_N)
+    v_bufs = resident(v_desc, kv_bar, kv, KEYS // BLOCK_N)
     FUSED: gl.constexpr = dq_desc is not None
     dq_sums = ()  # (a worker partition's arguments cannot be None)
     if FUSED and not SPLIT_D:  # dQ's target; dS^T tiles [step parity][warpgroup]; their barriers; staging tiles
-        ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, BLOCK_N, BLOCK_M], q_desc.layout)
+        ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, BLOCK_N, BLOCK_M], flat_layout(q_desc))
         dq_sums = (dq_desc, ds_bufs, barriers(2, 2), tiles(dq_desc, 2))
 
     first_query = 0
@@ -367,28 +400,30 @@ def attention_backward_dkdv_sm90_kernel(
         first_query = n0
     if LEFT:  # nor do queries more than window_left after the last
         last_query = gl.minimum(gl.cdiv(n0 + KEYS + window_left, BLOCK_M) * BLOCK_M, N)
-    n_steps = (last_query - first_query) // BLOCK_M
+    n_steps = gl.cdiv(last_query - first_query, BLOCK_M)
     h0 = hk * GROUP
-    lse_row = b * stride_lb + h0 * stride_lh + lse0 + first_query  # of LSE and DELTA, as flat vectors
+    # of LSE and DELTA, as flat vectors in their aligned rows
+    lse_row = b * stride_lb + h0 * stride_lh + rows_start(CU_SEQLENS, b, VARLEN) + first_query
     q_row = seq0 + first_query
-    producer = (q_desc, do_desc, lse_desc, delta_desc, steps, q_row, h0 * D, lse_row, stride_lh, n_steps, GROUP,
-                BLOCK_M, D)  # fmt: skip
+    sums_row = bc * sums_rows + q_row
+    producer = (q_desc, do_desc, lse_desc, delta_desc, steps, [bc, q_row, h0, 0], lse_row, stride_lh, n_steps, GROUP,
+                BLOCK_M)  # fmt: skip
     if SPLIT_D:
         # P^T and dS^T tiles [step parity], each warpgroup's queries side by side; a barrier pair for each
-        pt_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], q_desc.layout)
-        dst_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], q_desc.layout)
+        pt_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], flat_layout(q_desc))
+        dst_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], flat_layout(q_desc))
         p_ready = barriers(2, 2)
         ds_ready = barriers(2, 2)
         gl.warp_specialize(
             [
                 (_dkdv_split_consumer, (dk_desc, dv_desc, dq_desc, k_bufs.index(0), v_bufs.index(0), steps, pt_bufs,
-                                        dst_bufs, p_ready, ds_ready, kv_bar, kv_row, kv_col, n0, first_query, q_row,
-                                        h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left, 0, CAUSAL, LEFT,
-                                        BLOCK_M, BLOCK_N, D)),
+                                        dst_bufs, p_ready, ds_ready, kv_bar, kv, outs, n0, N, first_query,
+                                        sums_row, h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left, 0,
+                                        CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D)),
                 (_dkdv_split_consumer, (dk_desc, dv_desc, dq_desc, k_bufs.index(0), v_bufs.index(0), steps, pt_bufs,
-                                        dst_bufs, p_ready, ds_ready, kv_bar, kv_row, kv_col, n0, first_query, q_row,
-                                        h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left, 1, CAUSAL, LEFT,
-                                        BLOCK_M, BLOCK_N, D)),
+                                        dst_bufs, p_ready, ds_ready, kv_bar, kv, outs, n0, N, first_query,
+                                        sums_row, h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left, 1,
+                                        CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D)),
                 (_dkdv_producer, producer),
             ],
             [CONSUMER_WARPS, PRODUCER_WARPS],
@@ -397,12 +432,12 @@ def attention_backward_dkdv_sm90_kernel(
     else:
         gl.warp_specialize(
             [
-                (_dkdv_consumer, (dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_row, kv_col, n0,
-                                  first_query, q_row, h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left, 0,
-                                  FUSED, DQ_LATE, READ_AHEAD, CAUSAL, LEFT, BLOCK_M, BLOCK_N, D)),
-                (_dkdv_consumer, (dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_row, kv_col, n0,
-                                  first_query, q_row, h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left, 1,
-                                  FUSED, DQ_LATE, READ_AHEAD, CAUSAL, LEFT, BLOCK_M, BLOCK_N, D)),
+                (_dkdv_consumer, (dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv, outs, n0, N,
+                                  first_query, sums_row, h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left,
+                                  0, FUSED, DQ_LATE, READ_AHEAD, CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D)),
+                (_dkdv_consumer, (dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv, outs, n0, N,
+                                  first_query, sums_row, h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left,
+                                  1, FUSED, DQ_LATE, READ_AHEAD, CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D)),
                 (_dkdv_producer, producer),
             ],
             [CONSUMER_WARPS, PRODUCER_WARPS],

@@ -26,7 +26,9 @@ from .primitives import (
     LOG2E,
     PRODUCER_REGISTERS,
     PRODUCER_WARPS,
+    ROWS_ALIGN,
     TWO_CONSUMER_REGISTERS,
+    at,
     barriers,
     fill,
     give,
@@ -38,27 +40,31 @@ from .primitives import (
     query_tile,
     resident,
     ring,
+    rows_start,
     store,
+    store_rows,
     take,
     tiles,
 )
 
 
 @gluon.jit
-def _dq_producer(k_desc, v_desc, kv_ring, kv_row, col, n_tiles, BLOCK_N: gl.constexpr):
-    """Streams n_tiles (K, V) tiles from row kv_row on into kv_ring."""
+def _dq_producer(k_desc, v_desc, kv_ring, kv, n_tiles, BLOCK_N: gl.constexpr):
+    """Streams n_tiles (K, V) tiles from coordinate kv on into kv_ring."""
     for j in range(n_tiles):
-        row = kv_row + j * BLOCK_N
-        fill((k_desc, v_desc), ([row, col], [row, col]), kv_ring, j)
+        fill((k_desc, v_desc), (at(kv, j * BLOCK_N), at(kv, j * BLOCK_N)), kv_ring, j)
 
 
 @gluon.jit
-def _dq_consumer(dq_desc, q_smem, do_smem, kv_ring, q_bar, lse_ptr, delta_ptr, o_ptr, dlse_ptr, stride_o, out_row,
-                 col, first_row, key0, n_tiles, qk_scale, softmax_scale, window_left, CAUSAL: gl.constexpr,
-                 LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):  # fmt: skip
-    """One warpgroup's BLOCK_M query rows: first delta = rowsum(dO * O) - dLSE (the portable path's
-    preprocess kernel; stored for the dK/dV kernel), then for each streamed key tile S = Q K^T and
-    dP = dO V^T (from shared memory), and dQ += dS K with dS from registers."""
+def _dq_consumer(dq_out, q_smem, do_smem, kv_ring, q_bar, lse_ptr, rows_ptrs, o_ptr, dlse_ptr, stride_o, coord,
+                 first_row, n, key0, n_tiles, qk_scale, softmax_scale, window_left, CAUSAL: gl.constexpr,
+                 LEFT: gl.constexpr, VARLEN: gl.constexpr, RAGGED: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, D: gl.constexpr):  # fmt: skip
+    """One warpgroup's BLOCK_M query rows (those below the sequence's n): first delta = rowsum(dO * O) - dLSE (the
+    portable path's preprocess kernel), stored for the dK/dV kernel with a copy of the LSE in its aligned rows
+    (rows_ptrs: (DELTA, LSE_ROWS) there), then for each streamed key tile S = Q K^T and
+    dP = dO V^T (from shared memory), and dQ += dS K with dS from registers. dq_out: (dQ's descriptor, dQ, its
+    strides), dQ written through the descriptor, or from registers where a varlen sequence ends inside the rows."""
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(D)
     a_layout: gl.constexpr = operand_layout(D)
@@ -68,14 +74,20 @@ def _dq_consumer(dq_desc, q_smem, do_smem, kv_ring, q_bar, lse_ptr, delta_ptr, o
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     dq = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
     rows = first_row + gl.arange(0, BLOCK_M, rows_s)
-    lse2 = gl.expand_dims(gl.load(lse_ptr + gl.arange(0, BLOCK_M, rows_s)) * LOG2E, 1)
+    held = rows < n  # rows of the sequence: the others' LSE, O and delta belong to another row or none
+    lse = gl.load(lse_ptr + gl.arange(0, BLOCK_M, rows_s), mask=held, other=0.0)
+    lse2 = gl.expand_dims(lse * LOG2E, 1)
     tile: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    offsets = gl.expand_dims(gl.arange(0, BLOCK_M, gl.SliceLayout(1, tile)), 1) * stride_o
-    o = gl.load(o_ptr + offsets + gl.expand_dims(gl.arange(0, D, gl.SliceLayout(0, tile)), 0)).to(gl.float32)
+    o_rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, tile))
+    offsets = gl.expand_dims(o_rows, 1) * stride_o + gl.expand_dims(gl.arange(0, D, gl.SliceLayout(0, tile)), 0)
+    o = gl.load(o_ptr + offsets, mask=gl.expand_dims(first_row + o_rows < n, 1), other=0.0).to(gl.float32)
     mbarrier.wait(q_bar, 0)
     delta = gl.convert_layout(gl.sum(o * do_smem.load(tile).to(gl.float32), 1), rows_s)
-    delta = delta - gl.load(dlse_ptr + gl.arange(0, BLOCK_M, rows_s))
-    gl.store(delta_ptr + gl.arange(0, BLOCK_M, rows_s), delta)
+    delta = delta - gl.load(dlse_ptr + gl.arange(0, BLOCK_M, rows_s), mask=held, other=0.0)
+    delta_ptr, lse_rows_ptr = rows_ptrs
+    room = rows < gl.cdiv(n, ROWS_ALIGN) * ROWS_ALIGN  # the rows the dK/dV kernel reads: past n, zeros
+    gl.store(delta_ptr + gl.arange(0, BLOCK_M, rows_s), delta, mask=room)
+    gl.store(lse_rows_ptr + gl.arange(0, BLOCK_M, rows_s), lse, mask=room)
     delta = gl.expand_dims(delta, 1)
     for j in range(n_tiles):
         k, v = take(kv_ring, j)
@@ -83,57 +95,70 @@ def _dq_consumer(dq_desc, q_smem, do_smem, kv_ring, q_bar, lse_ptr, delta_ptr, o
         dp = warpgroup_mma(do_smem, v.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         scores = warpgroup_mma_wait(1, deps=(scores, q_smem, k))[0]
         p = gl.exp2(scores * qk_scale - lse2)
+        first_col = key0 + j * BLOCK_N
         if CAUSAL:
-            first_col = key0 + j * BLOCK_N
             if outside_band(first_row, first_row + BLOCK_M - 1, first_col, first_col + BLOCK_N - 1, window_left, LEFT):
                 cols = first_col + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
                 p = gl.where(in_band(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), window_left, LEFT), p, 0.0)
+        elif RAGGED:  # keys past the sequence (causal: the rows stored see none)
+            if first_col + BLOCK_N > n:
+                cols = first_col + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+                p = gl.where(gl.expand_dims(cols < n, 0), p, 0.0)
         dp = warpgroup_mma_wait(0, deps=(dp, do_smem, v))[0]
         ds = gl.convert_layout((p * (dp - delta)).to(dtype), a_layout)
         dq = warpgroup_mma(ds, k, dq, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq, k))[0]
         give(kv_ring, j)
 
-    store(dq_desc, dq * softmax_scale, q_smem, out_row, col)
+    dq_desc, DQ, dq_strides = dq_out
+    if VARLEN and RAGGED and first_row + BLOCK_M > n:
+        store_rows(DQ, dq_strides, coord, dq * softmax_scale, n - first_row)
+    else:
+        store(dq_desc, dq * softmax_scale, q_smem, coord)
 
 
 @gluon.jit
 def attention_backward_dq_sm90_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, O, DLSE, stride_o, stride_lb, stride_lh, N, H, GROUP,
-    qk_scale, softmax_scale, window_left, CU_SEQLENS,
-    CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    D: gl.constexpr, STAGES: gl.constexpr,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqb, stride_dqm, stride_dqh, LSE, DELTA, LSE_ROWS, O, DLSE,
+    stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_rb, stride_rh, N, H, GROUP, qk_scale,
+    softmax_scale, window_left,
+    CU_SEQLENS, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, RAGGED: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
-    """Grid (N / (2 * BLOCK_M), B * H): dQ (and delta) of 2 * BLOCK_M query rows, laid out as the forward's
-    program, K/V tiles through a ring of STAGES slots; O: the forward's output, rows stride_o apart in the
-    (rows, heads * D) view."""
+    """Grid (cdiv(N, 2 * BLOCK_M), B * H): dQ (and delta) of 2 * BLOCK_M query rows, laid out as the forward's
+    program, K/V tiles through a ring of STAGES slots; O: the forward's output and DQ, (B, N, H, D) with the strides
+    given (dQ also through dq_desc). LSE, DLSE: strides stride_lb, stride_lh; DELTA and LSE_ROWS (LSE's copy): the
+    aligned rows that the dK/dV kernel reads (stride_rb, stride_rh; primitives.rows_start)."""
     b = gl.program_id(1) // H
     h = gl.program_id(1) % H
-    m0, seq0, N, lse0 = query_tile(gl.program_id(0), b, gl.num_programs(0), N, CU_SEQLENS, CAUSAL, VARLEN, 2 * BLOCK_M)
+    m0, bc, seq0, N, lse0 = query_tile(gl.program_id(0), b, gl.num_programs(0), N, CU_SEQLENS, CAUSAL, VARLEN,
+                                       2 * BLOCK_M)  # fmt: skip
     if m0 >= N:  # past the end of a shorter varlen sequence
         return
-    q_col = h * D
-    q_row = seq0 + m0
+    q = [bc, seq0 + m0, h, 0]
 
     kv_ring = ring((tiles(k_desc, STAGES), tiles(v_desc, STAGES)), 2)
     q_bar = barriers(1, 1).index(0)  # the resident Q and dO tiles have landed
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
-    q_bufs = resident(q_desc, q_bar, q_row, q_col, 2)
-    do_bufs = resident(do_desc, q_bar, q_row, q_col, 2)
+    q_bufs = resident(q_desc, q_bar, q, 2)
+    do_bufs = resident(do_desc, q_bar, q, 2)
 
     key0, n_tiles = key_tiles(m0, 2 * BLOCK_M, N, window_left, CAUSAL, LEFT, BLOCK_N)
-    row = b * stride_lb + h * stride_lh + lse0 + m0  # of LSE, DLSE and DELTA
-    o = O + q_row.to(gl.int64) * stride_o + q_col
+    row = b * stride_lb + h * stride_lh + lse0 + m0  # of LSE and DLSE
+    out_row = b * stride_rb + h * stride_rh + rows_start(CU_SEQLENS, b, VARLEN) + m0  # of DELTA and LSE_ROWS
+    o = O + bc.to(gl.int64) * stride_ob + (seq0 + m0).to(gl.int64) * stride_om + h * stride_oh
+    dq_out = (dq_desc, DQ, (stride_dqb, stride_dqm, stride_dqh))
     gl.warp_specialize(
         [
-            (_dq_consumer, (dq_desc, q_bufs.index(0), do_bufs.index(0), kv_ring, q_bar, LSE + row, DELTA + row, o,
-                            DLSE + row, stride_o, q_row, q_col, m0, key0, n_tiles, qk_scale, softmax_scale,
-                            window_left, CAUSAL, LEFT, BLOCK_M, BLOCK_N, D)),
-            (_dq_consumer, (dq_desc, q_bufs.index(1), do_bufs.index(1), kv_ring, q_bar, LSE + row + BLOCK_M,
-                            DELTA + row + BLOCK_M, o + BLOCK_M * stride_o, DLSE + row + BLOCK_M, stride_o,
-                            q_row + BLOCK_M, q_col, m0 + BLOCK_M, key0, n_tiles, qk_scale, softmax_scale,
-                            window_left, CAUSAL, LEFT, BLOCK_M, BLOCK_N, D)),
-            (_dq_producer, (k_desc, v_desc, kv_ring, seq0 + key0, (h // GROUP) * D, n_tiles, BLOCK_N)),
+            (_dq_consumer, (dq_out, q_bufs.index(0), do_bufs.index(0), kv_ring, q_bar, LSE + row,
+                            (DELTA + out_row, LSE_ROWS + out_row), o,
+                            DLSE + row, stride_om, q, m0, N, key0, n_tiles, qk_scale, softmax_scale, window_left,
+                            CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D)),
+            (_dq_consumer, (dq_out, q_bufs.index(1), do_bufs.index(1), kv_ring, q_bar, LSE + row + BLOCK_M,
+                            (DELTA + out_row + BLOCK_M, LSE_ROWS + out_row + BLOCK_M), o + BLOCK_M * stride_om,
+                            DLSE + row + BLOCK_M, stride_om, at(q, BLOCK_M), m0 + BLOCK_M, N, key0, n_tiles, qk_scale,
+                            softmax_scale, window_left, CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D)),
+            (_dq_producer, (k_desc, v_desc, kv_ring, [bc, seq0 + key0, h // GROUP, 0], n_tiles, BLOCK_N)),
         ],
         [CONSUMER_WARPS, PRODUCER_WARPS],
         [TWO_CONSUMER_REGISTERS, PRODUCER_REGISTERS],

@@ -3,7 +3,7 @@
 Notation
   B, H, HKV    batch, query heads, key/value heads; GROUP = H // HKV query heads share a K/V head
   N            sequence length, of queries and keys alike (self-attention); VARLEN: the longest, sequence b being
-               rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] of the packed batch
+               rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] of the packed batch. RAGGED: some sequence ends inside a tile
   D            head dim
   BLOCK_M      query rows of one consumer warpgroup; a tile is CONSUMERS * BLOCK_M rows of one head
   BLOCK_N      keys per streamed K/V tile
@@ -34,6 +34,7 @@ from .primitives import (
     PRODUCER_WARPS,
     THREE_CONSUMER_REGISTERS,
     TWO_CONSUMER_REGISTERS,
+    at,
     fill,
     give,
     halves,
@@ -45,6 +46,7 @@ from .primitives import (
     query_tile,
     ring,
     stage_out,
+    store_rows,
     take,
     tiles,
 )
@@ -72,16 +74,21 @@ def _row_sum(x, TREE: gl.constexpr):
 
 
 @gluon.jit
-def _online_softmax(scores, m_i, l_i, rows, first_row, first_col, qk_scale, window_left, CAUSAL: gl.constexpr,
-                    LEFT: gl.constexpr, BLOCK_N: gl.constexpr, TREE: gl.constexpr):  # fmt: skip
+def _online_softmax(scores, m_i, l_i, rows, first_row, first_col, n, qk_scale, window_left, CAUSAL: gl.constexpr,
+                    LEFT: gl.constexpr, RAGGED: gl.constexpr, BLOCK_N: gl.constexpr, TREE: gl.constexpr):  # fmt: skip
     """One key tile of the online softmax: (P in log2 units against the new max, new max, new sum, the
-    factor alpha that rescales what was accumulated against the old max). TREE: the row reductions as trees."""
+    factor alpha that rescales what was accumulated against the old max). TREE: the row reductions as trees.
+    Keys past the sequence's n are masked where RAGGED (causal, the rows that are stored see none of them)."""
     if CAUSAL:
         last_row = first_row + scores.shape[0] - 1
         if outside_band(first_row, last_row, first_col, first_col + BLOCK_N - 1, window_left, LEFT):
             cols = first_col + gl.arange(0, BLOCK_N, gl.SliceLayout(0, scores.type.layout))
             keep = in_band(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), window_left, LEFT)
             scores = gl.where(keep, scores, float("-inf"))
+    elif RAGGED:
+        if first_col + BLOCK_N > n:
+            cols = first_col + gl.arange(0, BLOCK_N, gl.SliceLayout(0, scores.type.layout))
+            scores = gl.where(gl.expand_dims(cols < n, 0), scores, float("-inf"))
     m_new = gl.maximum(m_i, _row_max(scores, TREE) * qk_scale)  # the scaled max: validation makes qk_scale > 0
     m_use = m_new
     if LEFT:  # a row may have seen no key yet: its window starts past this tile
@@ -119,8 +126,8 @@ def _entry(schedule, first, i, count):
 def _forward_tile(e, schedule, n_m, N, H, CU_SEQLENS, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                   VARLEN: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
     """A program's tile e (_entry): (whether it has rows, r, batch, head, first query row in the sequence, the
-    sequence's length, its first row, its first LSE column, then key_tiles' two). r = 1 marks a tile whose
-    warpgroups take their row blocks in reverse (_block_of). Without a table, unit e // (1 + CAUSAL) of the
+    sequence's length, its batch coordinate and first row, its first LSE column, then key_tiles' two). r = 1 marks a
+    tile whose warpgroups take their row blocks in reverse (_block_of). Without a table, unit e // (1 + CAUSAL) of the
     program is one query tile; causal, the p-th longest and the p-th shortest query tiles of a head (r = 0, 1;
     one tile in the middle of an odd count), so that every unit has about the same work. With one, schedule =
     (table, m_bits, h_bits) and e is ((((b << h_bits) | h) << m_bits | p) << 1) | r, p counting a head's tiles longest
@@ -144,10 +151,10 @@ def _forward_tile(e, schedule, n_m, N, H, CU_SEQLENS, window_left, CAUSAL: gl.co
         h = (e >> (1 + m_bits)) & ((1 << h_bits) - 1)
         r = e & 1
         is_tile = True  # every entry of the table is one
-    m0, seq0, n, lse0 = query_tile(pid_m, b, n_m, N, CU_SEQLENS, CAUSAL, VARLEN, ROWS)
+    m0, bc, seq0, n, lse0 = query_tile(pid_m, b, n_m, N, CU_SEQLENS, CAUSAL, VARLEN, ROWS)
     key0, n_tiles = key_tiles(m0, ROWS, n, window_left, CAUSAL, LEFT, BLOCK_N)
     valid = (m0 < n) & is_tile  # m0 < n: not past a shorter varlen sequence
-    return valid, r, b, h, m0, n, seq0, lse0, key0, n_tiles
+    return valid, r, b, h, m0, n, bc, seq0, lse0, key0, n_tiles
 
 
 @gluon.jit
@@ -163,7 +170,7 @@ def _block_of(w, r, consumers: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.
 @gluon.jit
 def _forward_producer(q_desc, k_desc, v_desc, q_rings, k_ring, v_ring, N, H, GROUP, CU_SEQLENS, units, schedule,
                       n_m, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):  # fmt: skip
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
     """For each of this program's tiles: each warpgroup's Q tile (into that warpgroup's ring of Q tiles; rows
     past a sequence's end too, which that warpgroup skips), then the tile's K and V tiles into their rings, K_j
     with V_{j-1} (the consumers read V_j a step after K_j)."""
@@ -171,21 +178,20 @@ def _forward_producer(q_desc, k_desc, v_desc, q_rings, k_ring, v_ring, N, H, GRO
     done = 0
     first, count = _program_tiles(schedule, units, CAUSAL)
     for i in range(count):
-        valid, r, _, h, m0, _, seq0, _, key0, n_tiles = _forward_tile(
+        valid, r, _, h, m0, _, bc, seq0, _, key0, n_tiles = _forward_tile(
             _entry(schedule, first, i, count), schedule, n_m, N, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN,
             len(q_rings) * BLOCK_M, BLOCK_N,
         )  # fmt: skip
         if valid:
             for w in gl.static_range(len(q_rings)):
                 row = seq0 + m0 + _block_of(w, r, len(q_rings), BLOCK_M, BLOCK_N) * BLOCK_M
-                fill((q_desc,), ([row, h * D],), q_rings[w], done)
-            kv_row = seq0 + key0
-            col = (h // GROUP) * D
-            fill((k_desc,), ([kv_row, col],), k_ring, it)
+                fill((q_desc,), ([bc, row, h, 0],), q_rings[w], done)
+            kv = [bc, seq0 + key0, h // GROUP, 0]
+            fill((k_desc,), (kv,), k_ring, it)
             for j in range(1, n_tiles):
-                fill((k_desc,), ([kv_row + j * BLOCK_N, col],), k_ring, it + j)
-                fill((v_desc,), ([kv_row + (j - 1) * BLOCK_N, col],), v_ring, it + j - 1)
-            fill((v_desc,), ([kv_row + (n_tiles - 1) * BLOCK_N, col],), v_ring, it + n_tiles - 1)
+                fill((k_desc,), (at(kv, j * BLOCK_N),), k_ring, it + j)
+                fill((v_desc,), (at(kv, (j - 1) * BLOCK_N),), v_ring, it + j - 1)
+            fill((v_desc,), (at(kv, (n_tiles - 1) * BLOCK_N),), v_ring, it + n_tiles - 1)
             it += n_tiles
             done += 1
 
@@ -233,8 +239,8 @@ def _pass(k_ring, v_ring, it, n, turns):
 
 
 @gluon.jit
-def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, qk_scale, window_left, turns,
-            CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, n, qk_scale, window_left, turns,
+            CAUSAL: gl.constexpr, LEFT: gl.constexpr, RAGGED: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
             TREE: gl.constexpr):  # fmt: skip
     """One warpgroup's query rows (Q in q_smem, position q_at of q_ring) against n_tiles (K, V) tiles from
     position it of their rings on: (O unnormalised, row max, row sum). Tile j's S = Q K_j^T is issued together
@@ -260,7 +266,7 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
     give(k_ring, it)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows_s)
     p, m_i, l_i, alpha = _online_softmax(scores, m_i, gl.zeros([BLOCK_M], gl.float32, rows_s), rows, first_row, key0,
-                                         qk_scale, window_left, CAUSAL, LEFT, BLOCK_N, TREE)  # fmt: skip
+                                         n, qk_scale, window_left, CAUSAL, LEFT, RAGGED, BLOCK_N, TREE)  # fmt: skip
     p = gl.convert_layout(p.to(dtype), p_layout)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
     for j in range(1, n_tiles):
@@ -273,8 +279,9 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
         scores = warpgroup_mma_wait(1, deps=(scores, q_smem, k))[0]  # S_j done; P V_{j-1} may still run
         give(k_ring, it + j)
         p_next, m_i, l_i, alpha = _online_softmax(
-            scores, m_i, l_i, rows, first_row, key0 + j * BLOCK_N, qk_scale, window_left, CAUSAL, LEFT, BLOCK_N, TREE
-        )
+            scores, m_i, l_i, rows, first_row, key0 + j * BLOCK_N, n, qk_scale, window_left, CAUSAL, LEFT, RAGGED,
+            BLOCK_N, TREE,
+        )  # fmt: skip
         acc = warpgroup_mma_wait(0, deps=(acc, p, v))[0]
         give(v_ring, it + j - 1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -289,19 +296,19 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
 
 @gluon.jit
 def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
-                      VARLEN: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                      TREE: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
+                      VARLEN: gl.constexpr, RAGGED: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
+                      D: gl.constexpr, TREE: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
     """Warpgroup W's rows of each of this program's tiles (its Q tiles come through q_ring). It multiplies only
     the key tiles its rows see (causal, a tile of three warpgroups' rows streams more than its first warpgroup
     needs) and lets the others go by, as it does a whole tile whose rows start past the sequence's end. The
     epilogue stores O straight from registers or, with outputs' o_store = (o_desc, a tile per warpgroup),
     through shared memory and a TMA store that runs on while the next tile starts (a register store writes each
-    row's columns in 16-byte pieces, 8 rows per instruction).
+    row's columns in 16-byte pieces, 8 rows per instruction), except where a varlen sequence ends inside the rows.
     shared: what every consumer takes, (outputs, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale,
-    window_left), outputs being (O, its row stride, o_store, lse_out), lse_out (LSE, its batch and head strides)
-    or () where no LSE is asked for."""
+    window_left), outputs being (O, its (batch, row, head) strides, o_store, lse_out), lse_out (LSE, its batch and
+    head strides) or () where no LSE is asked for."""
     outputs, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale, window_left = shared
-    O, stride_o, o_store, lse_out = outputs
+    O, o_strides, o_store, lse_out = outputs
     BLOCK_M: gl.constexpr = q_ring[0][0].shape[1]
     o_layout: gl.constexpr = mma_layout(D)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -317,7 +324,7 @@ def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEF
     e = _entry(schedule, first, 0, count)
     for i in range(count):
         e_next = _entry(schedule, first, i + 1, count)  # a tile ahead: off the tile's start
-        valid, r, b, h, m0, n, seq0, lse0, key0, n_tiles = _forward_tile(
+        valid, r, b, h, m0, n, bc, seq0, lse0, key0, n_tiles = _forward_tile(
             e, schedule, n_m, N, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN, CONSUMERS * BLOCK_M, BLOCK_N
         )
         if valid:
@@ -330,30 +337,30 @@ def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEF
             q_smem = take(q_ring, done)[0]
             _pass(k_ring, v_ring, it, lead, turns)
             if n_own > 0:
-                acc, m_i, l_i = _attend(q_smem, q_ring, k_ring, v_ring, done, it + lead, first_row, own0, n_own,
-                                        qk_scale, window_left, turns, CAUSAL, LEFT, BLOCK_N, D, TREE)  # fmt: skip
+                acc, m_i, l_i = _attend(q_smem, q_ring, k_ring, v_ring, done, it + lead, first_row, own0, n_own, n,
+                                        qk_scale, window_left, turns, CAUSAL, LEFT, RAGGED, BLOCK_N, D,
+                                        TREE)  # fmt: skip
                 # times the row's reciprocal: a division per element costs two instructions, not one
                 acc = acc * gl.expand_dims(gl.convert_layout(1.0 / l_i, rows_o), 1)
                 if len(lse_out) > 0:
                     LSE, stride_lb, stride_lh = lse_out
                     lse = LSE + b * stride_lb + h * stride_lh + lse0 + first_row
-                    gl.store(lse + gl.arange(0, BLOCK_M, rows_s), (m_i + gl.log2(l_i)) * LN2)
-                if len(o_store) > 0:
+                    rows = gl.arange(0, BLOCK_M, rows_s)
+                    gl.store(lse + rows, (m_i + gl.log2(l_i)) * LN2, mask=first_row + rows < n)
+                coord = [bc, seq0 + first_row, h, 0]
+                if len(o_store) > 0 and not (VARLEN and RAGGED and first_row + BLOCK_M > n):
                     o_desc, o_bufs = o_store
                     o_smem = o_bufs.index(W)
-                    piece: gl.constexpr = o_desc.block_type.shape[1]
+                    piece: gl.constexpr = o_desc.block_type.shape[3]
                     out = acc.to(o_desc.dtype)
                     if piece == D:
-                        stage_out(o_desc, o_smem, out, [seq0 + first_row, h * D])
+                        stage_out(o_desc, o_smem, out, coord)
                     else:  # two column halves through the one tile
                         lo, hi = halves(out)
-                        stage_out(o_desc, o_smem, lo, [seq0 + first_row, h * D])
-                        stage_out(o_desc, o_smem, hi, [seq0 + first_row, h * D + piece])
+                        stage_out(o_desc, o_smem, lo, coord)
+                        stage_out(o_desc, o_smem, hi, [bc, seq0 + first_row, h, piece])
                 else:
-                    out = O + (seq0 + first_row).to(gl.int64) * stride_o + h * D
-                    out += gl.expand_dims(gl.arange(0, BLOCK_M, rows_o), 1) * stride_o
-                    cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
-                    gl.store(out + gl.expand_dims(cols, 0), acc.to(q_smem.dtype))
+                    store_rows(O, o_strides, coord, acc, n - first_row)
             else:
                 give(q_ring, done)
             _pass(k_ring, v_ring, it + lead + n_own, n_tiles - lead - n_own, turns)
@@ -366,22 +373,24 @@ def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEF
 
 @gluon.jit
 def attention_forward_sm90_kernel(
-    q_desc, k_desc, v_desc, o_desc, O, stride_o, LSE, stride_lb, stride_lh, N, H, GROUP, qk_scale, window_left,
-    CU_SEQLENS, units, SCHEDULE, m_bits, h_bits, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr,
-    CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, Q_STAGES: gl.constexpr,
-    STAGES: gl.constexpr, TREE_ROWS: gl.constexpr, PINGPONG: gl.constexpr,
+    q_desc, k_desc, v_desc, o_desc, O, stride_ob, stride_om, stride_oh, LSE, stride_lb, stride_lh, N, H, GROUP,
+    qk_scale, window_left, CU_SEQLENS, units, SCHEDULE, m_bits, h_bits, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
+    VARLEN: gl.constexpr, RAGGED: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, D: gl.constexpr, Q_STAGES: gl.constexpr, STAGES: gl.constexpr, TREE_ROWS: gl.constexpr,
+    PINGPONG: gl.constexpr,
 ):  # fmt: skip
     """Persistent: program i of P runs the tiles that SCHEDULE lists for it (schedule.py, each entry's batch, head
     and tile in bit fields m_bits and h_bits wide: _forward_tile) or, where SCHEDULE is None, units i, i + P, ... of
     ``units`` (_forward_tile), a tile being CONSUMERS * BLOCK_M query rows of one head (2 or 3 consumer warpgroups
     of BLOCK_M rows each).
-    q/k/v_desc: (rows, heads * D) views, blocks of [rows, D]: B sequences of N rows, or with VARLEN sequence b
-    at rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] (N the longest), each a whole number of BLOCK_M and of BLOCK_N
-    rows; O: the output, rows stride_o apart in that view, stored from registers, or through o_desc (the same
-    view, blocks of [BLOCK_M, D]) when that is not None; LSE: each row's natural-log LSE, or None where the caller
-    needs none. Rings of shared memory: Q_STAGES tiles per consumer warpgroup, STAGES K tiles and STAGES V tiles.
-    CAUSAL: query i sees keys j <= i, and with LEFT only j >= i - window_left. TREE_ROWS: the softmax's row max and
-    sum as trees (_row_max). PINGPONG: the consumers issue their MMAs in turns (_await_turn)."""
+    q/k/v_desc: (B, N, H, D) tensors (primitives.py), blocks of [1, rows, 1, D]: B sequences of N rows, or with
+    VARLEN one batch row, sequence b at rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] (N the longest); RAGGED: some sequence
+    is not a whole number of tiles. O: the output, (B, N, H, D) with those strides, stored from registers, or
+    through o_desc (blocks of [1, BLOCK_M, 1, D or D / 2]) when that is not None; LSE: each row's natural-log LSE,
+    or None where the caller needs none. Rings of shared memory: Q_STAGES tiles per consumer warpgroup, STAGES K
+    tiles and STAGES V tiles. CAUSAL: query i sees keys j <= i, and with LEFT only j >= i - window_left.
+    TREE_ROWS: the softmax's row max and sum as trees (_row_max). PINGPONG: the consumers issue their MMAs in turns
+    (_await_turn)."""
     k_ring = ring((tiles(k_desc, STAGES),), CONSUMERS)
     v_ring = ring((tiles(v_desc, STAGES),), CONSUMERS)
     q0 = ring((tiles(q_desc, Q_STAGES),), 1)
@@ -396,15 +405,17 @@ def attention_forward_sm90_kernel(
     lse_out = ()
     if LSE is not None:
         lse_out = (LSE, stride_lb, stride_lh)
-    outputs = (O, stride_o, o_store, lse_out)
+    outputs = (O, (stride_ob, stride_om, stride_oh), o_store, lse_out)
     shared = (outputs, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale, window_left)
     if CONSUMERS == 2:
         gl.warp_specialize(
             [
-                (_forward_consumer, (shared, q0, 0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS, PINGPONG)),
-                (_forward_consumer, (shared, q1, 1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS, PINGPONG)),
+                (_forward_consumer, (shared, q0, 0, CAUSAL, LEFT, VARLEN, RAGGED, CONSUMERS, BLOCK_N, D, TREE_ROWS,
+                                     PINGPONG)),
+                (_forward_consumer, (shared, q1, 1, CAUSAL, LEFT, VARLEN, RAGGED, CONSUMERS, BLOCK_N, D, TREE_ROWS,
+                                     PINGPONG)),
                 (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1), k_ring, v_ring, N, H, GROUP, CU_SEQLENS, units,
-                                     schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N, D)),
+                                     schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N)),
             ],
             [CONSUMER_WARPS, PRODUCER_WARPS],
             [TWO_CONSUMER_REGISTERS, PRODUCER_REGISTERS],
@@ -413,11 +424,14 @@ def attention_forward_sm90_kernel(
         q2 = ring((tiles(q_desc, Q_STAGES),), 1)
         gl.warp_specialize(
             [
-                (_forward_consumer, (shared, q0, 0, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS, PINGPONG)),
-                (_forward_consumer, (shared, q1, 1, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS, PINGPONG)),
-                (_forward_consumer, (shared, q2, 2, CAUSAL, LEFT, VARLEN, CONSUMERS, BLOCK_N, D, TREE_ROWS, PINGPONG)),
+                (_forward_consumer, (shared, q0, 0, CAUSAL, LEFT, VARLEN, RAGGED, CONSUMERS, BLOCK_N, D, TREE_ROWS,
+                                     PINGPONG)),
+                (_forward_consumer, (shared, q1, 1, CAUSAL, LEFT, VARLEN, RAGGED, CONSUMERS, BLOCK_N, D, TREE_ROWS,
+                                     PINGPONG)),
+                (_forward_consumer, (shared, q2, 2, CAUSAL, LEFT, VARLEN, RAGGED, CONSUMERS, BLOCK_N, D, TREE_ROWS,
+                                     PINGPONG)),
                 (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1, q2), k_ring, v_ring, N, H, GROUP, CU_SEQLENS,
-                                     units, schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N, D)),
+                                     units, schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N)),
             ],
             [CONSUMER_WARPS, CONSUMER_WARPS, PRODUCER_WARPS],
             [THREE_CONSUMER_REGISTERS, THREE_CONSUMER_REGISTERS, PRODUCER_REGISTERS],

@@ -1,6 +1,12 @@
 """What the Gluon kernels share: layouts, the causal band, sequence and tile bounds, barriers, rings of
 shared-memory slots and TMA stores.
 
+A (B, N, H, D) tensor is read and written through a rank-4 TMA descriptor of its own strides (any whose last is 1,
+the rest 16-byte multiples), in blocks of [1, rows, 1, cols]: coordinates [b, row, head, col], ``b`` the batch (0 for
+a varlen batch, whose sequences lie along the rows). TMA fills rows past the tensor's N with zeros and drops stores
+to them, so a dense sequence may end inside a tile. A block lands in a [rows, cols] shared-memory tile of the same
+swizzle (flat_layout): the bytes are the same.
+
 A ring is (tiles, ready, empty): ``tiles`` a tuple of shared-memory arrays of as many slots each, slot s holding
 tile s of each; ``ready[s]`` completes a phase when the producer's loads into slot s have landed, ``empty[s]`` when
 every consumer warpgroup has released it. Position i of a ring is slot i % slots of lap i // slots: the producer
@@ -23,6 +29,7 @@ PRODUCER_WARPS = gl.constexpr(config.HOPPER_PRODUCER_WARPS)
 PRODUCER_REGISTERS = gl.constexpr(config.HOPPER_PRODUCER_REGISTERS)
 TWO_CONSUMER_REGISTERS = gl.constexpr(config.HOPPER_CONSUMER_REGISTERS[2])
 THREE_CONSUMER_REGISTERS = gl.constexpr(config.HOPPER_CONSUMER_REGISTERS[3])
+ROWS_ALIGN = gl.constexpr(config.LSE_ROWS_ALIGN)
 
 
 @triton.constexpr_function
@@ -35,6 +42,22 @@ def mma_layout(n):
 def operand_layout(n):
     """The register layout of a 16-bit A operand whose product is n columns wide (an MMA's P or dS)."""
     return gl.DotOperandLayout(operand_index=0, parent=mma_layout(n), k_width=2)
+
+
+@triton.constexpr_function
+def flat_layout(desc):
+    """The [rows, cols] shared-memory layout of a descriptor's blocks, whose leading dims are 1."""
+    layout = desc.layout
+    if len(desc.block_type.shape) == 2:
+        return layout
+    return gl.NVMMASharedLayout(swizzle_byte_width=layout.swizzle_byte_width, element_bitwidth=layout.element_bitwidth,
+                                rank=2)  # fmt: skip
+
+
+@triton.constexpr_function
+def block_rows(desc):
+    """A descriptor's rows per block (its [1, rows, 1, cols] or [rows, cols] blocks)."""
+    return desc.block_type.shape[-3] if len(desc.block_type.shape) == 4 else desc.block_type.shape[0]
 
 
 @triton.constexpr_function
@@ -70,29 +93,38 @@ def band_only(p_t, rows, keys, window_left, LEFT: gl.constexpr):
 
 @gluon.jit
 def sequence(CU_SEQLENS, b, N, VARLEN: gl.constexpr):
-    """(first row of sequence b in the (rows, heads * D) views, its length, its first LSE column)."""
+    """(sequence b's batch coordinate and first row in the descriptors, its length, its first LSE column)."""
     if VARLEN:
         start = gl.load(CU_SEQLENS + b)
-        return start, gl.load(CU_SEQLENS + b + 1) - start, start
+        return b * 0, start, gl.load(CU_SEQLENS + b + 1) - start, start  # b * 0: a tensor, as dense's b
     else:
-        return b * N, N, 0
+        return b, 0, N, 0
+
+
+@gluon.jit
+def rows_start(CU_SEQLENS, b, VARLEN: gl.constexpr):
+    """Where sequence b's entries start in the backward's aligned LSE and delta rows (config.LSE_ROWS_ALIGN)."""
+    if VARLEN:
+        return (gl.cdiv(gl.load(CU_SEQLENS + b), ROWS_ALIGN) + b) * ROWS_ALIGN
+    else:
+        return 0
 
 
 @gluon.jit
 def query_tile(pid_m, b, n_m, N, CU_SEQLENS, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, ROWS: gl.constexpr):
-    """(first query row in the sequence, then sequence's three) of query tile pid_m of n_m (ROWS rows each) of a head
+    """(first query row in the sequence, then sequence's four) of query tile pid_m of n_m (ROWS rows each) of a head
     of batch b; causal tiles are numbered longest first, so the short ones come last."""
     if CAUSAL:
         pid_m = n_m - 1 - pid_m
-    seq0, n, lse0 = sequence(CU_SEQLENS, b, N, VARLEN)
-    return pid_m * ROWS, seq0, n, lse0
+    bc, seq0, n, lse0 = sequence(CU_SEQLENS, b, N, VARLEN)
+    return pid_m * ROWS, bc, seq0, n, lse0
 
 
 @gluon.jit
 def key_tiles(m0, rows, N, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr, BLOCK_N: gl.constexpr):
     """(first key, number of BLOCK_N-key tiles) that the query rows [m0, m0 + rows) see."""
     key0 = 0
-    n_tiles = N // BLOCK_N
+    n_tiles = gl.cdiv(N, BLOCK_N)
     if LEFT:
         key0 = gl.maximum(m0 - window_left, 0) // BLOCK_N * BLOCK_N
     if CAUSAL:
@@ -102,8 +134,8 @@ def key_tiles(m0, rows, N, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr
 
 @gluon.jit
 def tiles(desc, n: gl.constexpr):
-    """n shared-memory tiles shaped and laid out as desc's blocks."""
-    return gl.allocate_shared_memory(desc.dtype, [n, desc.block_type.shape[0], desc.block_type.shape[1]], desc.layout)
+    """n shared-memory tiles shaped and laid out as desc's blocks ([rows, cols] each)."""
+    return gl.allocate_shared_memory(desc.dtype, [n, block_rows(desc), desc.block_type.shape[-1]], flat_layout(desc))
 
 
 @gluon.jit
@@ -157,22 +189,40 @@ def give(ring, i):
 
 
 @gluon.jit
-def resident(desc, bar, row, col, n: gl.constexpr):
-    """n consecutive tiles of desc (rows ``row`` on, a block each), loaded through TMA onto ``bar``, whose
+def at(coord, row):
+    """A rank-4 coordinate [b, row, head, col] moved ``row`` rows on."""
+    return [coord[0], coord[1] + row, coord[2], coord[3]]
+
+
+@gluon.jit
+def resident(desc, bar, coord, n: gl.constexpr):
+    """n consecutive tiles of desc (rows from coord's on, a block each), loaded through TMA onto ``bar``, whose
     expected bytes the caller has set."""
     bufs = tiles(desc, n)
     for w in gl.static_range(n):
-        tma.async_copy_global_to_shared(desc, [row + w * desc.block_type.shape[0], col], bar, bufs.index(w))
+        tma.async_copy_global_to_shared(desc, at(coord, w * block_rows(desc)), bar, bufs.index(w))
     return bufs
 
 
 @gluon.jit
-def store(desc, value, smem, row, col):
-    """value to desc's tile at (row, col) through TMA, staged in smem (a buffer the program no longer reads)."""
+def store(desc, value, smem, coord):
+    """value to desc's tile at coord through TMA, staged in smem (a buffer the program no longer reads)."""
     smem.store(value.to(desc.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(desc, [row, col], smem)
+    tma.async_copy_shared_to_global(desc, coord, smem)
     tma.store_wait(0)
+
+
+@gluon.jit
+def store_rows(ptr, strides, coord, value, n_rows):
+    """value ([rows, cols], a wgmma accumulator's layout) to the (B, N, H, D) tensor at ptr with strides (batch,
+    row, head), at coord, its first n_rows rows only: where a TMA store would write past a varlen sequence's end."""
+    layout: gl.constexpr = value.type.layout
+    rows = gl.arange(0, value.shape[0], gl.SliceLayout(1, layout))
+    cols = gl.arange(0, value.shape[1], gl.SliceLayout(0, layout))
+    base = ptr + coord[0].to(gl.int64) * strides[0] + coord[1].to(gl.int64) * strides[1] + coord[2] * strides[2]
+    offsets = gl.expand_dims(rows, 1) * strides[1] + gl.expand_dims(coord[3] + cols, 0)
+    gl.store(base + offsets, value.to(ptr.dtype.element_ty), mask=gl.expand_dims(rows < n_rows, 1))
 
 
 @gluon.jit

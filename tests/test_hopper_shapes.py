@@ -1,0 +1,161 @@
+"""The Gluon kernels on the shapes users bring: any length (a sequence may end inside a tile), a model's (B, H, N, D)
+storage seen as (B, N, H, D), packed qkv, and ragged varlen documents; forward and both backwards (fused, and the
+deterministic pair), against the fp64 reference, with gradients in their inputs' layouts.
+
+The routes are pinned on any machine (a change that sends these calls back to the portable kernels fails here); the
+kernels run on a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from flashtriton import flash_attn_func, flash_attn_varlen_func, route, triton_backend
+from flashtriton.params import AttentionParams
+from flashtriton.validation import host_read
+from helpers import assert_close_to_reference, hopper, reference_outputs
+
+LAYOUTS = ("contiguous", "model", "qkv-packed")
+
+
+def _inputs(layout: str, batch: int, n: int, heads: int, head_dim: int, device="cuda", dtype=torch.bfloat16):
+    """q, k, v (batch, n, heads, head_dim) leaves in a layout: contiguous, a model's (B, H, N, D) storage seen as
+    (B, N, H, D), or views into one packed (B, N, 3, H, D) tensor (the leaf is then the packed tensor)."""
+    if layout == "contiguous":
+        leaves = [torch.randn(batch, n, heads, head_dim, device=device, dtype=dtype) for _ in range(3)]
+        return [x.requires_grad_() for x in leaves], leaves
+    if layout == "model":
+        leaves = [torch.randn(batch, heads, n, head_dim, device=device, dtype=dtype).requires_grad_() for _ in range(3)]
+        return leaves, [x.transpose(1, 2) for x in leaves]
+    packed = torch.randn(batch, n, 3, heads, head_dim, device=device, dtype=dtype).requires_grad_()
+    return [packed], list(packed.unbind(2))
+
+
+def test_strided_tma_fits():
+    """Which layouts the Gluon kernels' rank-4 descriptors read in place."""
+    x = torch.zeros(2, 4, 6, 64, dtype=torch.bfloat16)
+    assert route.strided_tma_fits(x)
+    assert route.strided_tma_fits(x.transpose(1, 2).contiguous().transpose(1, 2))  # the model's layout
+    assert route.strided_tma_fits(torch.zeros(2, 6, 3, 4, 64, dtype=torch.bfloat16)[:, :, 1])  # packed qkv
+    assert route.strided_tma_fits(x[:, :, :, :32])  # a head's columns: strides stay 16-byte multiples
+    assert not route.strided_tma_fits(torch.zeros(2, 4, 6, 48, dtype=torch.bfloat16))  # D not a power of two
+    assert not route.strided_tma_fits(torch.zeros(2, 4, 6, 65, dtype=torch.bfloat16)[..., :64])  # 130-byte heads
+    assert not route.strided_tma_fits(torch.zeros(2 * 4 * 6 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 4, 6, 64))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("n", [1000, 4096])
+def test_routes_take_the_gluon_kernels(layout, n):
+    """Any length and layout goes to the Gluon kernels (fused backward at a long span, the pair deterministic)."""
+    _, (q, k, v) = _inputs(layout, 2, n, 4, 128, device="cpu")
+    causal = AttentionParams(128**-0.5, window_right=0)
+    assert route.forward(q, k, v, causal, gpu="sm90").family == route.HOPPER
+    backward = route.backward(q, None, q, k, v, q, None, AttentionParams(128**-0.5), gpu="sm90")
+    assert (backward.family, backward.dq) == (route.HOPPER, route.FUSED if n == 4096 else route.PAIR)
+    deterministic = AttentionParams(128**-0.5, deterministic=True)
+    assert route.backward(q, None, q, k, v, q, None, deterministic, gpu="sm90").dq == route.PAIR
+
+
+def _varlen_params(starts: list[int]) -> AttentionParams:
+    cu = torch.tensor(starts, dtype=torch.int32)
+    host_read(cu, "values", torch.Tensor.tolist)  # as validation reads them
+    longest = max(b - a for a, b in itertools.pairwise(starts))
+    return AttentionParams(0.125, window_right=0, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                           max_seqlen_k=longest)  # fmt: skip
+
+
+def test_ragged_documents_take_the_gluon_pair():
+    """Ragged varlen documents: the Gluon forward and the deterministic pair (the fused dQ sums take a document's
+    tiles at whole-tile rows, so only documents that start there take the fused backward)."""
+    q = torch.zeros(8192, 4, 128, dtype=torch.bfloat16)
+    ragged, whole = _varlen_params([0, 1000, 5000, 8192]), _varlen_params([0, 1024, 5120, 8192])
+    assert route.forward(q, q, q, ragged, gpu="sm90").family == route.HOPPER
+    assert route.backward(q, None, q, q, q, q, None, ragged, gpu="sm90").dq == route.PAIR
+    assert route.backward(q, None, q, q, q, q, None, whole, gpu="sm90").dq == route.FUSED
+
+
+def _spy(monkeypatch) -> list[str]:
+    """The Gluon launchers called from here on (plans and routes cleared, so that every call launches afresh)."""
+    monkeypatch.setattr(triton_backend, "_PLANS", {})
+    monkeypatch.setattr(route, "_ROUTES", {})
+    calls = []
+    for name in ("_hopper_forward", "_hopper_dkdv", "_hopper_dq"):
+        launch = getattr(triton_backend, name)
+        monkeypatch.setattr(triton_backend, name, lambda *args, n=name, f=launch: calls.append(n) or f(*args))
+    return calls
+
+
+def _check(name, ours, q, k, v, dout, dlse, causal, window=(-1, -1), cu_seqlens=None):
+    exact = reference_outputs(q, k, v, dout, dlse, causal, window_size=window, cu_seqlens=cu_seqlens)
+    plain = reference_outputs(q, k, v, dout, dlse, causal, window_size=window, cu_seqlens=cu_seqlens,
+                              compute_dtype=None)  # fmt: skip
+    for part, a, e, p in zip(("out", "lse", "dq", "dk", "dv"), ours, exact, plain, strict=True):
+        assert_close_to_reference(f"{name} {part}", a, e, p)
+
+
+CASES = [  # (n, head dim, mode): lengths that end inside a tile, and a whole one
+    (1000, 128, "dense"),
+    (4000, 128, "causal"),
+    (3000, 64, "causal"),
+    (1000, 64, "dense"),
+    (129, 128, "window"),
+    (777, 256, "causal"),
+    (2048, 128, "causal"),
+]
+
+
+@hopper
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("n,head_dim,mode", CASES, ids=[f"n{n}-d{d}-{m}" for n, d, m in CASES])
+def test_gluon_kernels_on_users_shapes(n, head_dim, mode, layout, deterministic, monkeypatch):
+    calls = _spy(monkeypatch)
+    leaves, (q, k, v) = _inputs(layout, 2, n, 4, head_dim)
+    causal, window = mode != "dense", (100, 0) if mode == "window" else (-1, -1)
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, window_size=window, deterministic=deterministic,
+                                  return_attn_probs=True)  # fmt: skip
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    torch.autograd.backward((out, lse), (dout, dlse))
+    grads = [x.grad for x in leaves]
+    if layout == "qkv-packed":
+        grads = list(grads[0].unbind(2))
+    else:
+        for leaf in leaves:  # the gradients come back in their inputs' layouts
+            assert leaf.grad.stride() == leaf.stride()
+        grads = [g.transpose(1, 2) for g in grads] if layout == "model" else grads
+    _check(f"{layout} n={n}", (out, lse, *grads), q, k, v, dout, dlse, causal, window)
+    assert calls[0] == "_hopper_forward"
+    gluon_backward = not (deterministic and head_dim == 256)  # D=256 has no Gluon dQ kernel
+    assert ("_hopper_dkdv" in calls) == gluon_backward
+
+
+@hopper
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_gluon_kernels_on_ragged_documents(causal, deterministic, monkeypatch):
+    calls = _spy(monkeypatch)
+    starts = [0, 1000, 1129, 4000, 4001, 6144]
+    cu = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(starts[-1], h, 128, device="cuda", dtype=torch.bfloat16).requires_grad_() for h in (8, 2, 2))
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, 2867, 2867, causal=causal, deterministic=deterministic,
+                                         return_attn_probs=True)  # fmt: skip
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    torch.autograd.backward((out, lse), (dout, dlse))
+    _check("ragged", (out, lse, q.grad, k.grad, v.grad), q, k, v, dout, dlse, causal, cu_seqlens=(cu, cu))
+    assert calls == ["_hopper_forward", "_hopper_dq", "_hopper_dkdv"]
+
+
+@hopper
+def test_ragged_lengths_repeat_bitwise(monkeypatch):
+    """The deterministic pair on a length that ends inside a tile and a model layout: bitwise repeatable."""
+    leaves, (q, k, v) = _inputs("model", 2, 1000, 4, 128)
+    dout = torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16)
+    runs = []
+    for _ in range(3):
+        out = flash_attn_func(q, k, v, causal=True, deterministic=True)
+        runs.append((out, *torch.autograd.grad(out, leaves, dout)))
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(run, runs[0], strict=True))
