@@ -47,6 +47,7 @@ from .common import (
     store_tile,
     tile_mask,
     tile_start,
+    wide,
 )
 
 
@@ -67,6 +68,7 @@ def attention_backward_preprocess_kernel(
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
+    stride_om, stride_dom, stride_dqm = wide(stride_om), wide(stride_dom), wide(stride_dqm)
     q_start, _, N_Q, _ = sequence(CU_SEQLENS_Q, CU_SEQLENS_Q, b, N_Q, N_Q, VARLEN)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -236,6 +238,8 @@ def attention_backward_dkdv_kernel(
     HKV = H // GROUP
     b = (pid_bhk // HKV).to(tl.int64)
     hk = (pid_bhk % HKV).to(tl.int64)
+    stride_qm, stride_kn, stride_vn, stride_dom = wide(stride_qm), wide(stride_kn), wide(stride_vn), wide(stride_dom)
+    stride_dkn, stride_dvn = wide(stride_dkn), wide(stride_dvn)
     n0 = pid_n * BLOCK_N
     q_row = b * N_Q  # of Q and dO's (rows, heads * D) views; a varlen sequence's first row instead
     q_start, k_start, N_Q, N_K = sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, N_Q, N_K, VARLEN)
@@ -406,6 +410,8 @@ def attention_backward_dq_kernel(
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     hk = h // GROUP
+    stride_qm, stride_kn, stride_vn, stride_dom = wide(stride_qm), wide(stride_kn), wide(stride_vn), wide(stride_dom)
+    stride_dqm = wide(stride_dqm)
     m0 = pid_m * BLOCK_M
     kv_row = b * N_K  # as in the forward
     q_start, k_start, N_Q, N_K = sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, N_Q, N_K, VARLEN)

@@ -15,6 +15,14 @@ LN2 = tl.constexpr(0.6931471805599453)  # ln(2): converts a base-2 LSE to natura
 
 
 @triton.jit
+def wide(stride):
+    """A row stride in 64 bits, so that every product with it is: Triton passes an int below 2**31 as int32, whose
+    products wrap silently, and on a tensor over 2**31 elements row * stride passes 2**31 (row 2**21 of rows of
+    9 * 128 elements). Cast once per program: the inner loops only advance 64-bit pointers by a hoisted step."""
+    return tl.cast(stride, tl.int64)
+
+
+@triton.jit
 def load_tile(ptrs, rows, n_rows, cols, n_cols, ROWS_IN_BOUNDS: tl.constexpr, COLS_IN_BOUNDS: tl.constexpr):
     """Load a [rows, cols] tile, zero-filling rows >= n_rows and cols >= n_cols unless known in bounds."""
     if ROWS_IN_BOUNDS and COLS_IN_BOUNDS:

@@ -52,6 +52,7 @@ from .common import (
     store_tile,
     tile_mask,
     tile_start,
+    wide,
 )
 
 
@@ -160,6 +161,7 @@ def attention_forward_kernel(
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     hk = h // GROUP
+    stride_qm, stride_kn, stride_vn, stride_om = wide(stride_qm), wide(stride_kn), wide(stride_vn), wide(stride_om)
     m0 = pid_m * BLOCK_M
     kv_row = b * N_K  # of K and V's (rows, heads * D) views; a varlen sequence's first row instead
     q_start, k_start, N_Q, N_K = sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, N_Q, N_K, VARLEN)
