@@ -65,7 +65,7 @@ def flash_attn_func(
     causal: query i sees key j iff j <= i + offset.
     window_size (left, right): query i sees key j iff i + offset - left <= j <= i + offset + right;
         -1 leaves that side unbounded; causal=True sets right to 0. Key tiles outside the band
-        are skipped, not masked.
+        are skipped, not masked. A tuple, list or integer tensor of two (read on the host).
     A query row that sees no key gets an output of 0, an LSE of +inf and gradients of 0.
 
     softmax_scale: default 1 / sqrt(headdim); score = softmax_scale * q.k.
@@ -94,16 +94,18 @@ def flash_attn_func(
     Returns out: (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, probs).
     """
     check_qkv(q, k, v)
-    masks = _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window_size, alibi_slopes)
+    window = check_window(window_size)
+    masks = _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window, alibi_slopes)
     params = _params(
-        q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic,
+        q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p, deterministic,
         return_attn_probs, q.shape[0], **masks,
     )  # fmt: skip
     return _attention(q, k, v, params, return_attn_probs)
 
 
-def _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window_size, alibi_slopes) -> dict:
-    """The block mask (made from mask_mod when needed) and score_mod, checked against the inputs."""
+def _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window: tuple[int, int], alibi_slopes) -> dict:
+    """The block mask (made from mask_mod when needed) and score_mod, checked against the inputs and the window
+    (check_window's)."""
     masks = {}
     if score_mod is not None:
         masks["score_mod"] = as_mod(score_mod, "score_mod")
@@ -111,7 +113,7 @@ def _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window_size, alibi_
             check_differentiable(masks["score_mod"])
     if block_mask is None and mask_mod is None:
         return masks
-    if causal or tuple(window_size) != (-1, -1) or alibi_slopes is not None:
+    if causal or window != (-1, -1) or alibi_slopes is not None:
         raise ValueError(
             "block_mask / mask_mod do not combine with causal, window_size or alibi_slopes: put the causal or "
             "window mask into the block mask (and_masks(causal_mask(), ...)) and ALiBi into a score_mod"
@@ -129,11 +131,11 @@ def _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window_size, alibi_
 
 
 def _params(
-    q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic, return_attn_probs,
-    batch, **extra,
+    q, k, v, softmax_scale, causal, window: tuple[int, int], softcap, alibi_slopes, dropout_p, deterministic,
+    return_attn_probs, batch, **extra,
 ) -> AttentionParams:  # fmt: skip
-    """Validated user options as the AttentionParams every backend takes."""
-    left, right = check_window(window_size)
+    """Validated user options as the AttentionParams every backend takes (window: check_window's)."""
+    left, right = window
     check_softcap(softcap)
     check_dropout(dropout_p)
     if causal:
@@ -266,13 +268,14 @@ def flash_attn_varlen_func(
     if block_table is not None:
         raise NotImplementedError("block_table (paged KV cache) is not implemented yet: pass block_table=None")
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    window = check_window(window_size)
     varlen = dict(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q),
         max_seqlen_k=int(max_seqlen_k),
     )  # fmt: skip
     batch = cu_seqlens_q.shape[0] - 1
     params = _params(
-        q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic,
+        q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p, deterministic,
         return_attn_probs, batch, **varlen,
     )  # fmt: skip
     return _attention(q, k, v, params, return_attn_probs)

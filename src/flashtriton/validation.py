@@ -86,13 +86,27 @@ def _is_real(x: object) -> bool:
     return type(x) is float or type(x) is int or (isinstance(x, numbers.Real) and not isinstance(x, bool))
 
 
+def _host_values(window_size):
+    """A tensor's entries (or a tuple's 0-d tensors) as Python scalars, read on the host once; anything else as is."""
+    if isinstance(window_size, torch.Tensor):
+        return window_size.tolist() if window_size.dim() == 1 else window_size
+    if isinstance(window_size, (tuple, list)):
+        return [w.tolist() if isinstance(w, torch.Tensor) and w.dim() == 0 else w for w in window_size]
+    return window_size
+
+
 def check_window(window_size) -> tuple[int, int]:
-    """window_size: (left, right), each an int >= 0, or -1 for no bound on that side. Returns it as ints."""
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(map(_is_int, window_size))):
-        raise TypeError(f"window_size must be a pair of ints (left, right), e.g. (256, 0), got {window_size!r}")
-    left, right = (int(w) for w in window_size)
+    """window_size: (left, right), each an int >= 0, or -1 for no bound on that side; a tuple, a list or a 1-D
+    integer tensor (as flash_attn's tests pass). Returns it as Python ints."""
+    values = _host_values(window_size)
+    if not (isinstance(values, (tuple, list)) and len(values) == 2 and all(map(_is_int, values))):
+        raise TypeError(
+            f"window_size must be a pair of ints (left, right): a tuple, list or integer tensor, e.g. (256, 0); "
+            f"got {window_size!r}"
+        )
+    left, right = (int(w) for w in values)
     if left < -1 or right < -1:
-        raise ValueError(f"window_size must be (left, right) with each >= -1 (-1: unbounded), got {window_size}")
+        raise ValueError(f"window_size must be (left, right) with each >= -1 (-1: unbounded), got ({left}, {right})")
     return left, right
 
 
