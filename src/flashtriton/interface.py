@@ -9,6 +9,7 @@ yet raise NotImplementedError instead of being ignored.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import dropout, ops
 from .block_mask import BlockMask, create_block_mask
@@ -16,6 +17,7 @@ from .mods import Mod, as_mod, check_differentiable
 from .params import AttentionParams
 from .reference import attention_reference
 from .validation import (
+    HEAD_DIM_STEP,
     check_alibi_slopes,
     check_dropout,
     check_qkv,
@@ -59,7 +61,9 @@ def flash_attn_func(
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
     nheads must be a multiple of nheads_k (MQA/GQA: query head h reads K/V head
-    h // (nheads / nheads_k)). headdim: a multiple of 8 from 8 to 256. dtypes: fp16, bf16, fp32.
+    h // (nheads / nheads_k)). headdim: 1 to 256; one that is not a multiple of 8 runs zero-padded up
+    to one (a padded copy of q, k, v, as flash_attn; out is then a view of the padded output). dtypes:
+    fp16, bf16, fp32.
 
     Masks are aligned bottom-right, as in flash_attn: with offset = seqlen_k - seqlen_q,
     causal: query i sees key j iff j <= i + offset.
@@ -68,7 +72,7 @@ def flash_attn_func(
         are skipped, not masked. A tuple, list or integer tensor of two (read on the host).
     A query row that sees no key gets an output of 0, an LSE of +inf and gradients of 0.
 
-    softmax_scale: default 1 / sqrt(headdim); score = softmax_scale * q.k.
+    softmax_scale: default 1 / sqrt(headdim) (the headdim passed, not a padded one); score = softmax_scale * q.k.
     softcap: > 0 replaces the score by softcap * tanh(score / softcap) (0 disables it).
     alibi_slopes: (nheads,) or (batch, nheads) fp32; adds -slope * |i + offset - j| to the score.
     dropout_p: drop each attention probability with this probability (and scale the kept ones by
@@ -152,11 +156,24 @@ def _params(
 
 
 def _attention(q, k, v, params: AttentionParams, return_attn_probs: bool) -> _Result:
-    q, k, v = _autocast(q, k, v)
+    head_dim = q.shape[-1]
+    q, k, v, params = _kernel_inputs(*_autocast(q, k, v), params)
     out, lse = ops.attention(q, k, v, params)
+    if out.shape[-1] != head_dim:
+        out = out[..., :head_dim]
     if not return_attn_probs:
         return out
     return out, lse, _dropped_probs(q, k, v, params) if params.dropout_p > 0 else None
+
+
+def _kernel_inputs(q, k, v, params: AttentionParams):
+    """(q, k, v, params) as the kernels take them, for the same attention: the head dim zero-padded up to a multiple
+    of HEAD_DIM_STEP (zeros add nothing to q.k; the caller slices out's extra columns off, and F.pad's backward
+    slices the gradients)."""
+    pad = -q.shape[-1] % HEAD_DIM_STEP
+    if pad:
+        q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
+    return q, k, v, params
 
 
 def _dropped_probs(q, k, v, params: AttentionParams) -> torch.Tensor:

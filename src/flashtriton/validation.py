@@ -16,7 +16,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_STEP = 8, 256, 8
+MAX_HEAD_DIM = 256  # flash_attn's limit too
+HEAD_DIM_STEP = 8  # the kernels take multiples of it; the public API zero-pads other head dims up to one
 
 
 def check_tensor(name: str, x: object, ndim: int, layout: str) -> None:
@@ -46,7 +47,7 @@ def _check_shared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: 
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape {kv_layout}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q has head dim {q.shape[-1]}, k and v have {k.shape[-1]}: they must match")
-    check_head_dim(q.shape[-1])
+    check_input_head_dim(q.shape[-1])
     heads, heads_k = q.shape[-2], k.shape[-2]
     if heads_k == 0 or heads % heads_k != 0:
         raise ValueError(
@@ -59,11 +60,20 @@ def _check_same(what: str, q, k, v, get) -> None:
         raise ValueError(f"q, k, v must share one {what}; got {get(q)}, {get(k)}, {get(v)}")
 
 
-def check_head_dim(head_dim: int) -> None:
-    if not (MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM and head_dim % HEAD_DIM_STEP == 0):
+def check_input_head_dim(head_dim: int) -> None:
+    """A head dim the public API takes: 1 to 256, as flash_attn (it pads to the kernels' step itself)."""
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(
-            f"head dim {head_dim} is not supported: use a multiple of {HEAD_DIM_STEP} from "
-            f"{MIN_HEAD_DIM} to {MAX_HEAD_DIM} (pad the head dim with zeros if needed)"
+            f"head dim {head_dim} is not supported: q, k, v need a head dim from 1 to {MAX_HEAD_DIM} (as in flash_attn)"
+        )
+
+
+def check_head_dim(head_dim: int) -> None:
+    """A head dim the kernels run as is (warmup compiles those): a multiple of HEAD_DIM_STEP up to MAX_HEAD_DIM."""
+    if not (HEAD_DIM_STEP <= head_dim <= MAX_HEAD_DIM and head_dim % HEAD_DIM_STEP == 0):
+        raise ValueError(
+            f"head dim {head_dim} is not a kernel head dim: use a multiple of {HEAD_DIM_STEP} from "
+            f"{HEAD_DIM_STEP} to {MAX_HEAD_DIM} (the API runs other head dims zero-padded up to one)"
         )
 
 
