@@ -8,6 +8,8 @@ yet raise NotImplementedError instead of being ignored.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
@@ -73,6 +75,8 @@ def flash_attn_func(
     A query row that sees no key gets an output of 0, an LSE of +inf and gradients of 0.
 
     softmax_scale: default 1 / sqrt(headdim) (the headdim passed, not a padded one); score = softmax_scale * q.k.
+        Any finite value, 0 and negative ones included (those cost a copy of q, which takes the sign:
+        the kernels take a positive scale).
     softcap: > 0 replaces the score by softcap * tanh(score / softcap) (0 disables it).
     alibi_slopes: (nheads,) or (batch, nheads) fp32; adds -slope * |i + offset - j| to the score.
     dropout_p: drop each attention probability with this probability (and scale the kept ones by
@@ -167,9 +171,15 @@ def _attention(q, k, v, params: AttentionParams, return_attn_probs: bool) -> _Re
 
 
 def _kernel_inputs(q, k, v, params: AttentionParams):
-    """(q, k, v, params) as the kernels take them, for the same attention: the head dim zero-padded up to a multiple
-    of HEAD_DIM_STEP (zeros add nothing to q.k; the caller slices out's extra columns off, and F.pad's backward
-    slices the gradients)."""
+    """(q, k, v, params) as the kernels take them, for the same attention: softmax_scale > 0 (their running max is
+    max(q.k) * scale), a negative scale's sign moved into q and a zero scale made q = 0 at scale 1 (exact: IEEE
+    products are sign-symmetric); the head dim zero-padded up to a multiple of HEAD_DIM_STEP (zeros add nothing to
+    q.k; the caller slices out's extra columns off, and F.pad's backward slices the gradients)."""
+    scale = params.softmax_scale
+    if scale < 0:
+        q, params = -q, replace(params, softmax_scale=-scale)
+    elif scale == 0:
+        q, params = q * 0, replace(params, softmax_scale=1.0)
     pad = -q.shape[-1] % HEAD_DIM_STEP
     if pad:
         q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))

@@ -78,12 +78,14 @@ def check_head_dim(head_dim: int) -> None:
 
 
 def resolve_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
+    """softmax_scale: any finite real, 0 and negative ones included (as flash_attn); None: 1 / sqrt(head_dim), of
+    the head dim the caller passed (not a padded one)."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+    if not _is_real(softmax_scale):
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be a finite number (None: 1 / sqrt(headdim)), got {softmax_scale}")
     return float(softmax_scale)
 
 
