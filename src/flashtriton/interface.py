@@ -9,6 +9,7 @@ yet raise NotImplementedError instead of being ignored.
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -95,9 +96,13 @@ def flash_attn_func(
     score_mod: a @triton.jit score_mod(score, b, h, q_idx, kv_idx, *tensors) or a Mod, applied to the
         score last (after softcap and ALiBi); gradients need Mod(fn, tensors, grad=dfn).
     return_attn_probs: also return softmax_lse (batch, nheads, seqlen_q) in fp32 (natural log;
-        gradients flow through it) and, with dropout, the attention probabilities
-        (batch, nheads, seqlen_q, seqlen_k) with dropped entries negated (flash_attn's S_dmask,
-        materialised: for testing small inputs); None in that slot without dropout.
+        gradients flow through it) and, with dropout, the attention probabilities P (batch, nheads,
+        seqlen_q, seqlen_k) in fp32, negated where dropped (torch.signbit(probs) is the drop mask),
+        materialised by the reference: for testing small inputs. None in that slot without dropout.
+        flash_attn's S_dmask differs: q's dtype, seqlen_q and seqlen_k each rounded up to 128, and
+        unnormalised, exp(score - m) with m the row's running max when its kernel reached that key
+        tile (so its values depend on that kernel's tile size); its tests rescale it by
+        exp(m - lse) into this P. Without dropout it returns an empty tensor in that slot.
 
     Returns out: (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, probs).
     """
@@ -167,7 +172,7 @@ def _attention(q, k, v, params: AttentionParams, return_attn_probs: bool) -> _Re
         out = out[..., :head_dim]
     if not return_attn_probs:
         return out
-    return out, lse, _dropped_probs(q, k, v, params) if params.dropout_p > 0 else None
+    return out, lse, _dropped_probs(q, k, params) if params.dropout_p > 0 else None
 
 
 def _kernel_inputs(q, k, v, params: AttentionParams):
@@ -186,37 +191,42 @@ def _kernel_inputs(q, k, v, params: AttentionParams):
     return q, k, v, params
 
 
-def _dropped_probs(q, k, v, params: AttentionParams) -> torch.Tensor:
-    """flash_attn's S_dmask: probabilities (batch, nheads, seqlen_q, seqlen_k), dropped entries negated.
+def _dropped_probs(q, k, params: AttentionParams) -> torch.Tensor:
+    """The probabilities P (batch, nheads, seqlen_q, seqlen_k) in fp32, negated where dropout drops them, so that
+    torch.signbit(probs) is the drop mask exactly (a dropped P of 0 is -0.0).
 
-    Materialised through the reference (attention against V = identity returns P itself); varlen
-    sequences are zero-padded to (max_seqlen_q, max_seqlen_k).
+    Materialised through the reference (attention against V = identity returns P itself), with every option of the
+    call, block mask and score_mod included: for testing small inputs. Varlen sequences are zero-padded to
+    (max_seqlen_q, max_seqlen_k).
     """
-    options = dict(
-        softmax_scale=params.softmax_scale, window_size=(params.window_left, params.window_right),
-        softcap=params.softcap, compute_dtype=torch.float32,
-    )  # fmt: skip
-    heads = q.shape[-2]
-    if params.varlen:
-        cu_q, cu_k = params.cu_seqlens_q.tolist(), params.cu_seqlens_k.tolist()
-        bounds = zip(cu_q, cu_q[1:], cu_k, cu_k[1:], strict=False)
-        seqs = [(q[None, a:b], k[None, c:d]) for a, b, c, d in bounds]
-        shape = (len(seqs), heads, params.max_seqlen_q, params.max_seqlen_k)
-    else:
-        seqs = [(q[i : i + 1], k[i : i + 1]) for i in range(q.shape[0])]
-        shape = (q.shape[0], heads, q.shape[1], k.shape[1])
+    if not params.varlen:
+        batch, heads = torch.arange(q.shape[0], device=q.device), torch.arange(q.shape[2], device=q.device)
+        mask = None if params.block_mask is None else params.block_mask.element_mask(b=batch, h=heads)
+        return _signed_probs(q, k, params, params.alibi_slopes, mask, first_batch=0)
+    starts_q, starts_k = params.cu_seqlens_q.tolist(), params.cu_seqlens_k.tolist()
+    shape = (len(starts_q) - 1, q.shape[1], params.max_seqlen_q, params.max_seqlen_k)
     probs = q.new_zeros(shape, dtype=torch.float32)
-    for b, (q_b, k_b) in enumerate(seqs):
-        n_q, n_k = q_b.shape[1], k_b.shape[1]
-        eye = torch.eye(n_k, device=q.device)[None, :, None, :].expand(1, n_k, k_b.shape[2], n_k)
+    for b, ((q0, q1), (k0, k1)) in enumerate(zip(pairwise(starts_q), pairwise(starts_k), strict=True)):
         slopes = None if params.alibi_slopes is None else params.alibi_slopes[b : b + 1]
-        p_b, _ = attention_reference(q_b, k_b, eye, alibi_slopes=slopes, **options)
-        i, j = torch.arange(n_q, device=q.device)[:, None], torch.arange(n_k, device=q.device)[None, :]
-        h = torch.arange(heads, device=q.device)[:, None, None]
-        kept = dropout.keep(params.seed, b, h, i, j, params.dropout_p)
-        p_b = p_b[0].transpose(0, 1)  # (heads, n_q, n_k)
-        probs[b, :, :n_q, :n_k] = torch.where(kept, p_b, -p_b)
+        probs[b, :, : q1 - q0, : k1 - k0] = _signed_probs(q[None, q0:q1], k[None, k0:k1], params, slopes, None, b)[0]
     return probs
+
+
+def _signed_probs(q, k, params: AttentionParams, slopes, mask, first_batch: int) -> torch.Tensor:
+    """_dropped_probs of dense q (batch, n_q, nheads, headdim) against k, whose batch entries are first_batch, ..."""
+    batch, n_q, heads, _ = q.shape
+    n_k = k.shape[1]
+    eye = torch.eye(n_k, device=q.device)[None, :, None, :].expand(batch, n_k, k.shape[2], n_k)
+    probs, _ = attention_reference(
+        q, k, eye, params.softmax_scale, compute_dtype=torch.float32,
+        window_size=(params.window_left, params.window_right), softcap=params.softcap, alibi_slopes=slopes, mask=mask,
+        score_mod=params.score_mod,
+    )  # fmt: skip
+    probs = probs.transpose(1, 2)  # (batch, heads, n_q, n_k)
+    b = torch.arange(first_batch, first_batch + batch, device=q.device)[:, None, None, None]
+    h, i, j = (torch.arange(n, device=q.device) for n in (heads, n_q, n_k))
+    kept = dropout.keep(params.seed, b, h[:, None, None], i[:, None], j, params.dropout_p)
+    return torch.where(kept, probs, -probs)
 
 
 def flash_attn_qkvpacked_func(
