@@ -8,7 +8,11 @@ yet raise NotImplementedError instead of being ignored.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from itertools import pairwise
+
 import torch
+import torch.nn.functional as F
 
 from . import dropout, ops
 from .block_mask import BlockMask, create_block_mask
@@ -16,6 +20,7 @@ from .mods import Mod, as_mod, check_differentiable
 from .params import AttentionParams
 from .reference import attention_reference
 from .validation import (
+    HEAD_DIM_STEP,
     check_alibi_slopes,
     check_dropout,
     check_qkv,
@@ -59,16 +64,20 @@ def flash_attn_func(
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
     nheads must be a multiple of nheads_k (MQA/GQA: query head h reads K/V head
-    h // (nheads / nheads_k)). headdim: a multiple of 8 from 8 to 256. dtypes: fp16, bf16, fp32.
+    h // (nheads / nheads_k)). headdim: 1 to 256; one that is not a multiple of 8 runs zero-padded up
+    to one (a padded copy of q, k, v, as flash_attn; out is then a view of the padded output). dtypes:
+    fp16, bf16, fp32.
 
     Masks are aligned bottom-right, as in flash_attn: with offset = seqlen_k - seqlen_q,
     causal: query i sees key j iff j <= i + offset.
     window_size (left, right): query i sees key j iff i + offset - left <= j <= i + offset + right;
         -1 leaves that side unbounded; causal=True sets right to 0. Key tiles outside the band
-        are skipped, not masked.
+        are skipped, not masked. A tuple, list or integer tensor of two (read on the host).
     A query row that sees no key gets an output of 0, an LSE of +inf and gradients of 0.
 
-    softmax_scale: default 1 / sqrt(headdim); score = softmax_scale * q.k.
+    softmax_scale: default 1 / sqrt(headdim) (the headdim passed, not a padded one); score = softmax_scale * q.k.
+        Any finite value, 0 and negative ones included (those cost a copy of q, which takes the sign:
+        the kernels take a positive scale).
     softcap: > 0 replaces the score by softcap * tanh(score / softcap) (0 disables it).
     alibi_slopes: (nheads,) or (batch, nheads) fp32; adds -slope * |i + offset - j| to the score.
     dropout_p: drop each attention probability with this probability (and scale the kept ones by
@@ -87,23 +96,29 @@ def flash_attn_func(
     score_mod: a @triton.jit score_mod(score, b, h, q_idx, kv_idx, *tensors) or a Mod, applied to the
         score last (after softcap and ALiBi); gradients need Mod(fn, tensors, grad=dfn).
     return_attn_probs: also return softmax_lse (batch, nheads, seqlen_q) in fp32 (natural log;
-        gradients flow through it) and, with dropout, the attention probabilities
-        (batch, nheads, seqlen_q, seqlen_k) with dropped entries negated (flash_attn's S_dmask,
-        materialised: for testing small inputs); None in that slot without dropout.
+        gradients flow through it) and, with dropout, the attention probabilities P (batch, nheads,
+        seqlen_q, seqlen_k) in fp32, negated where dropped (torch.signbit(probs) is the drop mask),
+        materialised by the reference: for testing small inputs. None in that slot without dropout.
+        flash_attn's S_dmask differs: q's dtype, seqlen_q and seqlen_k each rounded up to 128, and
+        unnormalised, exp(score - m) with m the row's running max when its kernel reached that key
+        tile (so its values depend on that kernel's tile size); its tests rescale it by
+        exp(m - lse) into this P. Without dropout it returns an empty tensor in that slot.
 
     Returns out: (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, probs).
     """
     check_qkv(q, k, v)
-    masks = _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window_size, alibi_slopes)
+    window = check_window(window_size)
+    masks = _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window, alibi_slopes)
     params = _params(
-        q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic,
+        q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p, deterministic,
         return_attn_probs, q.shape[0], **masks,
     )  # fmt: skip
     return _attention(q, k, v, params, return_attn_probs)
 
 
-def _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window_size, alibi_slopes) -> dict:
-    """The block mask (made from mask_mod when needed) and score_mod, checked against the inputs."""
+def _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window: tuple[int, int], alibi_slopes) -> dict:
+    """The block mask (made from mask_mod when needed) and score_mod, checked against the inputs and the window
+    (check_window's)."""
     masks = {}
     if score_mod is not None:
         masks["score_mod"] = as_mod(score_mod, "score_mod")
@@ -111,7 +126,7 @@ def _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window_size, alibi_
             check_differentiable(masks["score_mod"])
     if block_mask is None and mask_mod is None:
         return masks
-    if causal or tuple(window_size) != (-1, -1) or alibi_slopes is not None:
+    if causal or window != (-1, -1) or alibi_slopes is not None:
         raise ValueError(
             "block_mask / mask_mod do not combine with causal, window_size or alibi_slopes: put the causal or "
             "window mask into the block mask (and_masks(causal_mask(), ...)) and ALiBi into a score_mod"
@@ -129,11 +144,11 @@ def _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window_size, alibi_
 
 
 def _params(
-    q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic, return_attn_probs,
-    batch, **extra,
+    q, k, v, softmax_scale, causal, window: tuple[int, int], softcap, alibi_slopes, dropout_p, deterministic,
+    return_attn_probs, batch, **extra,
 ) -> AttentionParams:  # fmt: skip
-    """Validated user options as the AttentionParams every backend takes."""
-    left, right = check_window(window_size)
+    """Validated user options as the AttentionParams every backend takes (window: check_window's)."""
+    left, right = window
     check_softcap(softcap)
     check_dropout(dropout_p)
     if causal:
@@ -150,44 +165,68 @@ def _params(
 
 
 def _attention(q, k, v, params: AttentionParams, return_attn_probs: bool) -> _Result:
-    q, k, v = _autocast(q, k, v)
+    head_dim = q.shape[-1]
+    q, k, v, params = _kernel_inputs(*_autocast(q, k, v), params)
     out, lse = ops.attention(q, k, v, params)
+    if out.shape[-1] != head_dim:
+        out = out[..., :head_dim]
     if not return_attn_probs:
         return out
-    return out, lse, _dropped_probs(q, k, v, params) if params.dropout_p > 0 else None
+    return out, lse, _dropped_probs(q, k, params) if params.dropout_p > 0 else None
 
 
-def _dropped_probs(q, k, v, params: AttentionParams) -> torch.Tensor:
-    """flash_attn's S_dmask: probabilities (batch, nheads, seqlen_q, seqlen_k), dropped entries negated.
+def _kernel_inputs(q, k, v, params: AttentionParams):
+    """(q, k, v, params) as the kernels take them, for the same attention: softmax_scale > 0 (their running max is
+    max(q.k) * scale), a negative scale's sign moved into q and a zero scale made q = 0 at scale 1 (exact: IEEE
+    products are sign-symmetric); the head dim zero-padded up to a multiple of HEAD_DIM_STEP (zeros add nothing to
+    q.k; the caller slices out's extra columns off, and F.pad's backward slices the gradients)."""
+    scale = params.softmax_scale
+    if scale < 0:
+        q, params = -q, replace(params, softmax_scale=-scale)
+    elif scale == 0:
+        q, params = q * 0, replace(params, softmax_scale=1.0)
+    pad = -q.shape[-1] % HEAD_DIM_STEP
+    if pad:
+        q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
+    return q, k, v, params
 
-    Materialised through the reference (attention against V = identity returns P itself); varlen
-    sequences are zero-padded to (max_seqlen_q, max_seqlen_k).
+
+def _dropped_probs(q, k, params: AttentionParams) -> torch.Tensor:
+    """The probabilities P (batch, nheads, seqlen_q, seqlen_k) in fp32, negated where dropout drops them, so that
+    torch.signbit(probs) is the drop mask exactly (a dropped P of 0 is -0.0).
+
+    Materialised through the reference (attention against V = identity returns P itself), with every option of the
+    call, block mask and score_mod included: for testing small inputs. Varlen sequences are zero-padded to
+    (max_seqlen_q, max_seqlen_k).
     """
-    options = dict(
-        softmax_scale=params.softmax_scale, window_size=(params.window_left, params.window_right),
-        softcap=params.softcap, compute_dtype=torch.float32,
-    )  # fmt: skip
-    heads = q.shape[-2]
-    if params.varlen:
-        cu_q, cu_k = params.cu_seqlens_q.tolist(), params.cu_seqlens_k.tolist()
-        bounds = zip(cu_q, cu_q[1:], cu_k, cu_k[1:], strict=False)
-        seqs = [(q[None, a:b], k[None, c:d]) for a, b, c, d in bounds]
-        shape = (len(seqs), heads, params.max_seqlen_q, params.max_seqlen_k)
-    else:
-        seqs = [(q[i : i + 1], k[i : i + 1]) for i in range(q.shape[0])]
-        shape = (q.shape[0], heads, q.shape[1], k.shape[1])
+    if not params.varlen:
+        batch, heads = torch.arange(q.shape[0], device=q.device), torch.arange(q.shape[2], device=q.device)
+        mask = None if params.block_mask is None else params.block_mask.element_mask(b=batch, h=heads)
+        return _signed_probs(q, k, params, params.alibi_slopes, mask, first_batch=0)
+    starts_q, starts_k = params.cu_seqlens_q.tolist(), params.cu_seqlens_k.tolist()
+    shape = (len(starts_q) - 1, q.shape[1], params.max_seqlen_q, params.max_seqlen_k)
     probs = q.new_zeros(shape, dtype=torch.float32)
-    for b, (q_b, k_b) in enumerate(seqs):
-        n_q, n_k = q_b.shape[1], k_b.shape[1]
-        eye = torch.eye(n_k, device=q.device)[None, :, None, :].expand(1, n_k, k_b.shape[2], n_k)
+    for b, ((q0, q1), (k0, k1)) in enumerate(zip(pairwise(starts_q), pairwise(starts_k), strict=True)):
         slopes = None if params.alibi_slopes is None else params.alibi_slopes[b : b + 1]
-        p_b, _ = attention_reference(q_b, k_b, eye, alibi_slopes=slopes, **options)
-        i, j = torch.arange(n_q, device=q.device)[:, None], torch.arange(n_k, device=q.device)[None, :]
-        h = torch.arange(heads, device=q.device)[:, None, None]
-        kept = dropout.keep(params.seed, b, h, i, j, params.dropout_p)
-        p_b = p_b[0].transpose(0, 1)  # (heads, n_q, n_k)
-        probs[b, :, :n_q, :n_k] = torch.where(kept, p_b, -p_b)
+        probs[b, :, : q1 - q0, : k1 - k0] = _signed_probs(q[None, q0:q1], k[None, k0:k1], params, slopes, None, b)[0]
     return probs
+
+
+def _signed_probs(q, k, params: AttentionParams, slopes, mask, first_batch: int) -> torch.Tensor:
+    """_dropped_probs of dense q (batch, n_q, nheads, headdim) against k, whose batch entries are first_batch, ..."""
+    batch, n_q, heads, _ = q.shape
+    n_k = k.shape[1]
+    eye = torch.eye(n_k, device=q.device)[None, :, None, :].expand(batch, n_k, k.shape[2], n_k)
+    probs, _ = attention_reference(
+        q, k, eye, params.softmax_scale, compute_dtype=torch.float32,
+        window_size=(params.window_left, params.window_right), softcap=params.softcap, alibi_slopes=slopes, mask=mask,
+        score_mod=params.score_mod,
+    )  # fmt: skip
+    probs = probs.transpose(1, 2)  # (batch, heads, n_q, n_k)
+    b = torch.arange(first_batch, first_batch + batch, device=q.device)[:, None, None, None]
+    h, i, j = (torch.arange(n, device=q.device) for n in (heads, n_q, n_k))
+    kept = dropout.keep(params.seed, b, h[:, None, None], i[:, None], j, params.dropout_p)
+    return torch.where(kept, probs, -probs)
 
 
 def flash_attn_qkvpacked_func(
@@ -266,13 +305,14 @@ def flash_attn_varlen_func(
     if block_table is not None:
         raise NotImplementedError("block_table (paged KV cache) is not implemented yet: pass block_table=None")
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    window = check_window(window_size)
     varlen = dict(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q),
         max_seqlen_k=int(max_seqlen_k),
     )  # fmt: skip
     batch = cu_seqlens_q.shape[0] - 1
     params = _params(
-        q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic,
+        q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p, deterministic,
         return_attn_probs, batch, **varlen,
     )  # fmt: skip
     return _attention(q, k, v, params, return_attn_probs)

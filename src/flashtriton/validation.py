@@ -16,7 +16,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_STEP = 8, 256, 8
+MAX_HEAD_DIM = 256  # flash_attn's limit too
+HEAD_DIM_STEP = 8  # the kernels take multiples of it; the public API zero-pads other head dims up to one
 
 
 def check_tensor(name: str, x: object, ndim: int, layout: str) -> None:
@@ -46,7 +47,7 @@ def _check_shared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: 
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape {kv_layout}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q has head dim {q.shape[-1]}, k and v have {k.shape[-1]}: they must match")
-    check_head_dim(q.shape[-1])
+    check_input_head_dim(q.shape[-1])
     heads, heads_k = q.shape[-2], k.shape[-2]
     if heads_k == 0 or heads % heads_k != 0:
         raise ValueError(
@@ -59,21 +60,32 @@ def _check_same(what: str, q, k, v, get) -> None:
         raise ValueError(f"q, k, v must share one {what}; got {get(q)}, {get(k)}, {get(v)}")
 
 
-def check_head_dim(head_dim: int) -> None:
-    if not (MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM and head_dim % HEAD_DIM_STEP == 0):
+def check_input_head_dim(head_dim: int) -> None:
+    """A head dim the public API takes: 1 to 256, as flash_attn (it pads to the kernels' step itself)."""
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(
-            f"head dim {head_dim} is not supported: use a multiple of {HEAD_DIM_STEP} from "
-            f"{MIN_HEAD_DIM} to {MAX_HEAD_DIM} (pad the head dim with zeros if needed)"
+            f"head dim {head_dim} is not supported: q, k, v need a head dim from 1 to {MAX_HEAD_DIM} (as in flash_attn)"
+        )
+
+
+def check_head_dim(head_dim: int) -> None:
+    """A head dim the kernels run as is (warmup compiles those): a multiple of HEAD_DIM_STEP up to MAX_HEAD_DIM."""
+    if not (HEAD_DIM_STEP <= head_dim <= MAX_HEAD_DIM and head_dim % HEAD_DIM_STEP == 0):
+        raise ValueError(
+            f"head dim {head_dim} is not a kernel head dim: use a multiple of {HEAD_DIM_STEP} from "
+            f"{HEAD_DIM_STEP} to {MAX_HEAD_DIM} (the API runs other head dims zero-padded up to one)"
         )
 
 
 def resolve_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
+    """softmax_scale: any finite real, 0 and negative ones included (as flash_attn); None: 1 / sqrt(head_dim), of
+    the head dim the caller passed (not a padded one)."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+    if not _is_real(softmax_scale):
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be a finite number (None: 1 / sqrt(headdim)), got {softmax_scale}")
     return float(softmax_scale)
 
 
@@ -86,13 +98,27 @@ def _is_real(x: object) -> bool:
     return type(x) is float or type(x) is int or (isinstance(x, numbers.Real) and not isinstance(x, bool))
 
 
+def _host_values(window_size):
+    """A tensor's entries (or a tuple's 0-d tensors) as Python scalars, read on the host once; anything else as is."""
+    if isinstance(window_size, torch.Tensor):
+        return window_size.tolist() if window_size.dim() == 1 else window_size
+    if isinstance(window_size, (tuple, list)):
+        return [w.tolist() if isinstance(w, torch.Tensor) and w.dim() == 0 else w for w in window_size]
+    return window_size
+
+
 def check_window(window_size) -> tuple[int, int]:
-    """window_size: (left, right), each an int >= 0, or -1 for no bound on that side. Returns it as ints."""
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(map(_is_int, window_size))):
-        raise TypeError(f"window_size must be a pair of ints (left, right), e.g. (256, 0), got {window_size!r}")
-    left, right = (int(w) for w in window_size)
+    """window_size: (left, right), each an int >= 0, or -1 for no bound on that side; a tuple, a list or a 1-D
+    integer tensor (as flash_attn's tests pass). Returns it as Python ints."""
+    values = _host_values(window_size)
+    if not (isinstance(values, (tuple, list)) and len(values) == 2 and all(map(_is_int, values))):
+        raise TypeError(
+            f"window_size must be a pair of ints (left, right): a tuple, list or integer tensor, e.g. (256, 0); "
+            f"got {window_size!r}"
+        )
+    left, right = (int(w) for w in values)
     if left < -1 or right < -1:
-        raise ValueError(f"window_size must be (left, right) with each >= -1 (-1: unbounded), got {window_size}")
+        raise ValueError(f"window_size must be (left, right) with each >= -1 (-1: unbounded), got ({left}, {right})")
     return left, right
 
 
