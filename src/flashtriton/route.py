@@ -163,6 +163,12 @@ def whole_sequences(p: AttentionParams, n: int, tile: int) -> bool:
     return starts is not None and all(start % tile == 0 for start in starts)
 
 
+def _lse_entries(q: torch.Tensor, p: AttentionParams) -> int:
+    """How many LSE entries the Gluon backward's aligned rows hold, at most (triton_backend._aligned_rows)."""
+    batch = p.cu_seqlens_q.shape[0] - 1 if p.varlen else q.shape[0]
+    return math.prod(q.shape[:-1]) + q.shape[-2] * (batch + 1) * config.LSE_ROWS_ALIGN
+
+
 def hopper_fits(p: AttentionParams, *tensors: torch.Tensor) -> bool:
     """The Gluon kernels' scope: plain dense, causal or causal sliding-window self-attention (varlen: the same
     cu_seqlens for queries and keys, known to the host), in layouts TMA reads (tensors: q, k, v and any more,
@@ -174,7 +180,7 @@ def hopper_fits(p: AttentionParams, *tensors: torch.Tensor) -> bool:
         and not p.sparse
         and (p.diagonal or not p.windowed)
         and all(x.shape[-3] == n and strided_tma_fits(x) for x in tensors)
-        and math.prod(q.shape[:-1]) < 2**31  # LSE entries: the kernels' offsets into it are 32-bit
+        and _lse_entries(q, p) < 2**31  # the kernels' offsets into the LSE and delta are 32-bit
         and (not p.varlen or _cu_seqlens(p) is not None)
     )
 

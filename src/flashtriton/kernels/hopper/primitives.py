@@ -220,8 +220,9 @@ def store_rows(ptr, strides, coord, value, n_rows):
     layout: gl.constexpr = value.type.layout
     rows = gl.arange(0, value.shape[0], gl.SliceLayout(1, layout))
     cols = gl.arange(0, value.shape[1], gl.SliceLayout(0, layout))
-    base = ptr + coord[0].to(gl.int64) * strides[0] + coord[1].to(gl.int64) * strides[1] + coord[2] * strides[2]
-    offsets = gl.expand_dims(rows, 1) * strides[1] + gl.expand_dims(coord[3] + cols, 0)
+    base = ptr + coord[0].to(gl.int64) * strides[0] + coord[1].to(gl.int64) * strides[1]
+    base += coord[2].to(gl.int64) * strides[2]  # a model's (B, H, N, D) storage: heads N * D apart
+    offsets = gl.expand_dims(rows.to(gl.int64), 1) * strides[1] + gl.expand_dims(coord[3] + cols, 0)
     gl.store(base + offsets, value.to(ptr.dtype.element_ty), mask=gl.expand_dims(rows < n_rows, 1))
 
 
