@@ -244,6 +244,32 @@ def test_preprocess_writes_delta_and_zeroes_the_fused_backwards_dq(gluon):
         assert not delta[..., n:].any() and not lse_rows[..., n:].any()
 
 
+def test_preprocess_zeroes_only_each_sequences_tiles():
+    """Varlen, the fused backward's dQ sums are zeroed in each sequence's whole tiles and nowhere past them: a short
+    sequence's program rows run up to the longest's, and the buffer ends at the last sequence's last tile."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    heads, head_dim, block = 2, 16, config.PREPROCESS_BLOCK_M
+    cu = torch.tensor([0, 3 * block, 4 * block - 5], device=device, dtype=torch.int32)  # 192 rows, then 59
+    total, rows = cu[-1].item(), 4 * block
+    out, dout = (torch.randn(1, total, heads, head_dim, device=device, dtype=torch.bfloat16) for _ in range(2))
+    lse, dlse = (torch.randn(heads, total, device=device) for _ in range(2))
+    delta = torch.full((heads, 6 * block), float("nan"), device=device)
+    lse_rows = torch.full_like(delta, float("nan"))
+    buffer = torch.full((2 * rows, heads, head_dim), float("nan"), device=device)
+    sums = buffer[:rows].unsqueeze(0)  # the rows past it: another tensor's
+    triton_backend._PREPROCESS[(3, 2 * heads)](
+        out, dout, dlse, delta, sums, lse, lse_rows, *triton_backend._strides(out, True),
+        *triton_backend._strides(dout, True), *triton_backend._strides(sums, True), 0, dlse.stride(0), 0,
+        delta.stride(0), N_Q=block * 3, H=heads, CU_SEQLENS_Q=cu, D=head_dim, BLOCK_D=head_dim, BLOCK_M=block,
+        VARLEN=True, ALIGN=config.LSE_ROWS_ALIGN,
+    )  # fmt: skip
+    assert torch.equal(sums, torch.zeros_like(sums))
+    assert buffer[rows:].isnan().all()
+    # the second sequence's delta and LSE from aligned row (cdiv(192, 64) + 1) * 64 = 256 on, zeros to a whole tile
+    assert torch.equal(lse_rows[:, 4 * block : 5 * block - 5], lse[:, 3 * block :])
+    assert not lse_rows[:, 5 * block - 5 : 5 * block].any() and not delta[:, 5 * block - 5 : 5 * block].any()
+
+
 def _fragment_positions(rows: int, width: int, half: int) -> torch.Tensor:
     """Where the fused backward's reductions put dQ's (row, column) in its fp32 sums, by the formula of
     kernels/hopper/dkdv.py's _fragments (the buffer as (row tile, fragment row) x (column tile,

@@ -140,7 +140,7 @@ def test_gluon_kernels_on_ragged_documents(causal, deterministic, monkeypatch):
     starts = [0, 1000, 1129, 4000, 4001, 6144]
     cu = torch.tensor(starts, dtype=torch.int32, device="cuda")
     q, k, v = (torch.randn(starts[-1], h, 128, device="cuda", dtype=torch.bfloat16).requires_grad_() for h in (8, 2, 2))
-    out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, 2867, 2867, causal=causal, deterministic=deterministic,
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, 2871, 2871, causal=causal, deterministic=deterministic,
                                          return_attn_probs=True)  # fmt: skip
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
     torch.autograd.backward((out, lse), (dout, dlse))

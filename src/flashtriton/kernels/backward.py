@@ -89,9 +89,9 @@ def attention_backward_preprocess_kernel(
         out_rows = row_ptrs
         room = rows < N_Q
     tl.store(DELTA + out_rows, tl.sum(o * do, 1) - dlse, mask=room)
-    if DQ is not None:  # the fused Gluon backward's fp32 sums: whole tiles (BLOCK_M is its block_m), past N_Q too
+    if DQ is not None:  # the fused Gluon backward's fp32 sums: the sequence's whole tiles (BLOCK_M is its block_m)
         dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + (q_start + rows[:, None]) * stride_dqm + offs_d[None, :]
-        store_tile(dq_ptrs, tl.zeros_like(o), rows, N_Q, offs_d, D, True, BLOCK_D == D)
+        store_tile(dq_ptrs, tl.zeros_like(o), rows, tl.cdiv(N_Q, BLOCK_M) * BLOCK_M, offs_d, D, False, BLOCK_D == D)
 
 
 @triton.jit
