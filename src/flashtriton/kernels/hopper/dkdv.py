@@ -133,11 +133,12 @@ def _ragged(p_t, rows, keys, n, RAGGED: gl.constexpr):
 
 
 @gluon.jit
-def _store_keys(desc, out, value, smem, coord, rows_left, VARLEN: gl.constexpr, RAGGED: gl.constexpr):
-    """dK or dV's tile at coord: through TMA, or from registers where a varlen sequence ends inside it (out: the
-    tensor and its strides; rows_left: the sequence's rows from coord on)."""
+def _store_keys(desc, outs, which: gl.constexpr, value, smem, coord, rows_left, VARLEN: gl.constexpr,
+                RAGGED: gl.constexpr):  # fmt: skip
+    """dK or dV's tile at coord: through TMA, or from registers where a varlen sequence ends inside it (outs[which]:
+    the tensor and its strides; rows_left: the sequence's rows from coord on)."""
     if VARLEN and RAGGED and rows_left < value.shape[0]:
-        store_rows(out[0], out[1], coord, value, rows_left)
+        store_rows(outs[which][0], outs[which][1], coord, value, rows_left)
     else:
         store(desc, value, smem, coord)
 
@@ -245,8 +246,8 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv,
         mbarrier.arrive(ds_ready.index((n_all + 1) % 2), count=1)
         mbarrier.wait(ds_ready.index((n_all + 1) % 2), ((n_all + 1) // 2) & 1)
     coord = at(kv, W * BLOCK_N)
-    _store_keys(dk_desc, outs[0], dk * softmax_scale, k_smem, coord, n - first_key, VARLEN, RAGGED)
-    _store_keys(dv_desc, outs[1], dv, v_smem, coord, n - first_key, VARLEN, RAGGED)
+    _store_keys(dk_desc, outs, 0, dk * softmax_scale, k_smem, coord, n - first_key, VARLEN, RAGGED)
+    _store_keys(dv_desc, outs, 1, dv, v_smem, coord, n - first_key, VARLEN, RAGGED)
 
 
 @gluon.jit
@@ -335,8 +336,8 @@ def _dkdv_split_consumer(dk_desc, dv_desc, dq_desc, k_smem, v_smem, steps, pt_bu
     # this one's dK and dV columns
     _exchange(p_ready, GROUP * n_steps)
     coord = [kv[0], kv[1], kv[2], W * DH]
-    _store_keys(dk_desc, outs[0], dk * softmax_scale, k_cols, coord, n - first_key, VARLEN, RAGGED)
-    _store_keys(dv_desc, outs[1], dv, v_smem.slice(W * DH, DH, dim=1), coord, n - first_key, VARLEN, RAGGED)
+    _store_keys(dk_desc, outs, 0, dk * softmax_scale, k_cols, coord, n - first_key, VARLEN, RAGGED)
+    _store_keys(dv_desc, outs, 1, dv, v_smem.slice(W * DH, DH, dim=1), coord, n - first_key, VARLEN, RAGGED)
 
 
 @gluon.jit
@@ -375,7 +376,9 @@ def attention_backward_dkdv_sm90_kernel(
         if n0 >= N:
             return
     kv = [bc, seq0 + n0, hk, 0]
-    outs = ((DK, (stride_dkb, stride_dkm, stride_dkh)), (DV, (stride_dvb, stride_dvm, stride_dvh)))
+    outs = ()  # (only where _store_keys stores from registers: registers the consumers need otherwise)
+    if VARLEN and RAGGED:
+        outs = ((DK, (stride_dkb, stride_dkm, stride_dkh)), (DV, (stride_dvb, stride_dvm, stride_dvh)))
 
     q_bufs = tiles(q_desc, STAGES)
     do_bufs = tiles(do_desc, STAGES)
