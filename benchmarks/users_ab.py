@@ -40,6 +40,12 @@ CASES = [
     ("d128 causal n2048", 8, 2048, 16, 16, 128, True, False),
     ("d64 dense n4096", 4, 4096, 32, 32, 64, False, False),
     ("d256 causal n1024", 16, 1024, 8, 8, 256, True, False),
+    ("d128 dense n2048", 8, 2048, 16, 16, 128, False, False),
+    ("d128 causal n512", 32, 512, 16, 16, 128, True, False),
+    ("d64 causal n1024", 16, 1024, 32, 32, 64, True, False),
+    ("d64 causal n8192", 2, 8192, 32, 32, 64, True, False),
+    ("d256 dense n4096", 4, 4096, 8, 8, 256, False, False),
+    ("d128 causal n16384", 1, 16384, 16, 16, 128, True, False),
 ]
 
 
