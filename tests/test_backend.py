@@ -282,23 +282,25 @@ def _fragment_positions(rows: int, width: int, half: int) -> torch.Tensor:
     return (row // 64 * (64 * half // frag) + flat // frag) * (width // half * frag) + col // half * frag + flat % frag
 
 
+@pytest.mark.parametrize("n", [100, 128], ids=["ragged", "whole"])
 @pytest.mark.parametrize("head_dim, fragments", [(64, True), (128, True), (256, False)])
-def test_dq_convert_reads_the_fused_backwards_order(head_dim, fragments):
+def test_dq_convert_reads_the_fused_backwards_order(head_dim, fragments, n):
     """The conversion after the fused backward reads its fp32 sums in the order the kernel's reductions wrote them
     (D=64/128: fragment order; D=256's split kernel: row-major), whole tiles of rows per batch of which the first
     N are dQ's, into dQ's own layout (here a model's (B, H, N, D) storage), in whichever of the interpreter or the
     GPU runs."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    batch, rows, n, heads = 2, 128, 100, 3
+    batch, rows, heads = 2, 128, 3
+    half = head_dim // 2 if fragments else config.DQ_CONVERT_COLS
     dq = torch.randn(batch * rows, heads * head_dim, device=device, dtype=torch.bfloat16).float()  # exact in both
     sums = torch.full_like(dq, float("nan")).view(-1)
     at = _fragment_positions(batch * rows, heads * head_dim, head_dim // 2) if fragments else torch.arange(dq.numel())
     sums[at.view(-1).to(device)] = dq.view(-1)
     storage = torch.full((batch, heads, n, head_dim), float("nan"), device=device, dtype=torch.bfloat16)
     out = storage.transpose(1, 2)
-    triton_backend._DQ_CONVERT[(batch * rows // 64, 2 * heads)](
-        sums, out, *out.stride()[:3], n, rows, heads * head_dim, D=head_dim, BLOCK_M=64, HALF=head_dim // 2,
-        FRAGMENTS=fragments, FRAGMENT_COLS=config.DQ_FRAGMENT_COLS,
+    triton_backend._DQ_CONVERT[(batch * rows // 64, heads * head_dim // half)](
+        sums, out, *out.stride()[:3], n, rows, heads * head_dim, D=head_dim, BLOCK_M=64, HALF=half,
+        FRAGMENTS=fragments, FRAGMENT_COLS=config.DQ_FRAGMENT_COLS, EVEN=n == rows,
     )  # fmt: skip
     assert torch.equal(out.float(), dq.view(batch, rows, heads, head_dim)[:, :n])
 

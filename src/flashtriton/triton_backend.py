@@ -360,10 +360,12 @@ def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams,
 def _dq_convert(sums: torch.Tensor, dq: torch.Tensor, cfg: config.HopperBackwardConfig):
     """dQ in its dtype and layout from the fused kernel's fp32 sums, laid out as _hopper_dkdv's reductions left
     them."""
-    width, half = dq.shape[-2] * dq.shape[-1], dq.shape[-1] // 2
+    width, head_dim = dq.shape[-2] * dq.shape[-1], dq.shape[-1]
+    # the fragment order holds a tile's D / 2 columns together; row-major sums split as finely as registers want
+    half = min(head_dim // 2, config.DQ_CONVERT_COLS) if cfg.split_d else head_dim // 2
     return _DQ_CONVERT.bind((sums.numel() // width // cfg.block_m, width // half))(
-        sums, dq, *dq.stride()[:3], dq.shape[1], sums.shape[1], width, D=dq.shape[-1], BLOCK_M=cfg.block_m,
-        HALF=half, FRAGMENTS=not cfg.split_d, FRAGMENT_COLS=config.DQ_FRAGMENT_COLS,
+        sums, dq, *dq.stride()[:3], dq.shape[1], sums.shape[1], width, D=head_dim, BLOCK_M=cfg.block_m, HALF=half,
+        FRAGMENTS=not cfg.split_d, FRAGMENT_COLS=config.DQ_FRAGMENT_COLS, EVEN=dq.shape[1] == sums.shape[1],
     )  # fmt: skip
 
 

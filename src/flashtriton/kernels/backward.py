@@ -97,13 +97,14 @@ def attention_backward_preprocess_kernel(
 @triton.jit
 def attention_backward_dq_convert_kernel(
     DQ_SUMS, DQ, stride_dqb, stride_dqm, stride_dqh, N, SUMS_ROWS, COLS, D: tl.constexpr, BLOCK_M: tl.constexpr,
-    HALF: tl.constexpr, FRAGMENTS: tl.constexpr, FRAGMENT_COLS: tl.constexpr,
+    HALF: tl.constexpr, FRAGMENTS: tl.constexpr, FRAGMENT_COLS: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
     """Grid (B * SUMS_ROWS / BLOCK_M, COLS / HALF): DQ ((B, N, H, D), any strides, in the gradients' dtype) from the
     fused Hopper backward's fp32 sums, (B, SUMS_ROWS, H, D) contiguous (SUMS_ROWS >= N, whole BLOCK_M tiles; COLS =
     H * D), a tile of BLOCK_M x HALF per program. FRAGMENTS: the sums are laid out for the kernel's reductions: a
-    tile's values as hopper/dkdv.py's _fragments orders a wgmma accumulator (BLOCK_M = 64), the buffer's rows as (row
-    tile, fragment row) and its columns as (column tile, FRAGMENT_COLS). Else row-major."""
+    tile's values as hopper/dkdv.py's _fragments orders a wgmma accumulator (BLOCK_M = 64, HALF = D / 2), the buffer's
+    rows as (row tile, fragment row) and its columns as (column tile, FRAGMENT_COLS). Else row-major. EVEN: N ==
+    SUMS_ROWS, every row is dQ's (no mask: the masked store holds more registers)."""
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     if FRAGMENTS:
@@ -119,10 +120,14 @@ def attention_backward_dq_convert_kernel(
         sums = tl.load(DQ_SUMS + rows[:, None] * COLS + pid_n * HALF + tl.arange(0, HALF)[None, :])
     b = pid_m * BLOCK_M // SUMS_ROWS
     rows = pid_m * BLOCK_M % SUMS_ROWS + tl.arange(0, BLOCK_M)
-    col0 = pid_n * HALF  # within one head: HALF divides D
-    at = DQ + b * stride_dqb + col0 // D * stride_dqh + col0 % D
+    PARTS: tl.constexpr = D // HALF  # a head's column tiles
+    # the column as a multiple of HALF, so that the stores are seen aligned and go out 16 bytes at a time
+    at = DQ + b * stride_dqb + pid_n // PARTS * stride_dqh + pid_n % PARTS * HALF
     at += rows[:, None] * stride_dqm + tl.arange(0, HALF)[None, :]
-    tl.store(at, sums.to(DQ.dtype.element_ty), mask=rows[:, None] < N)
+    if EVEN:
+        tl.store(at, sums.to(DQ.dtype.element_ty))
+    else:
+        tl.store(at, sums.to(DQ.dtype.element_ty), mask=rows[:, None] < N)
 
 
 @triton.jit

@@ -126,6 +126,10 @@ PREPROCESS_BLOCK_M = 64
 # LSE_ROWS_ALIGN) + b) on), written by the pass that computes delta.
 LSE_ROWS_ALIGN = 64
 
+# Columns per program of the dQ conversion from row-major fp32 sums (D=256's split kernel): a [64, 128] tile held 94
+# registers a thread and a [64, 64] one fewer, for a kernel that wants occupancy (not timed).
+DQ_CONVERT_COLS = 64
+
 # fp32 values per row of the fused Hopper backward's dQ reductions in fragment order (hopper/dkdv.py's _fragments),
 # through an unswizzled tile: 1 KB rows beat 128-byte swizzled ones on causal spans, at some cost at D=128 dense
 DQ_FRAGMENT_COLS = 256
