@@ -403,11 +403,19 @@ def _pieces(n_q: int, n_k: int, params: AttentionParams, dtype: torch.dtype) -> 
 
 
 def _fused_input(x: torch.Tensor, dtype: torch.dtype, heads: int) -> torch.Tensor:
-    """(B, n, HKV, D) -> the kernel's (B, H, n, D) view in ``dtype``, K/V heads repeated for the GQA group."""
-    x = x.to(dtype)
+    """(B, n, HKV, D) -> the kernel's (B, H, n, D) view in ``dtype``, K/V heads repeated for the GQA group (a copy
+    where the head dim is strided: the kernel reads it contiguous)."""
+    if x.dtype != dtype:
+        x = x.to(dtype)
     if x.shape[2] != heads:
         x = x.repeat_interleave(heads // x.shape[2], dim=2)
     return (x if x.stride(-1) == 1 else x.contiguous()).transpose(1, 2)
+
+
+def _span(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """x[:, :, start:stop]; x itself when that is all of it. Host time right after a kernel is dear (its caches are
+    cold), and the one-piece calls, the common ones, need no views."""
+    return x if start == 0 and stop == x.shape[2] else x[:, :, start:stop]
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
@@ -416,6 +424,11 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_ls
     total = torch.logaddexp(lse, part_lse)
     out.mul_(torch.exp(lse - total)[..., None]).add_(part_out * torch.exp(part_lse - total)[..., None])
     lse.copy_(total)
+
+
+def _as(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """x in like's dtype, contiguous (as the custom ops' fake outputs are)."""
+    return (x if x.dtype == like.dtype else x.to(like.dtype)).contiguous()
 
 
 def _fused_forward(q, k, v, params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -427,9 +440,9 @@ def _fused_forward(q, k, v, params: AttentionParams) -> tuple[torch.Tensor, torc
     pieces = _pieces(n_q, n_k, params, dtype)
     parts = [
         ATEN_FORWARD(
-            q_t[:, :, p.m0 : p.m1],
-            k_t[:, :, p.n0 : p.n1],
-            v_t[:, :, p.n0 : p.n1],
+            _span(q_t, p.m0, p.m1),
+            _span(k_t, p.n0, p.n1),
+            _span(v_t, p.n0, p.n1),
             is_causal=p.causal,
             attn_mask=p.mask,
             scale=params.softmax_scale,
@@ -438,7 +451,7 @@ def _fused_forward(q, k, v, params: AttentionParams) -> tuple[torch.Tensor, torc
     ]
     if len(pieces) == 1 and pieces[0].whole(n_q, n_k):  # the kernel's answer is the call's
         out, lse = parts[0]
-        return out.transpose(1, 2).to(q.dtype).contiguous(), lse.contiguous()
+        return _as(out.transpose(1, 2), q), lse.contiguous()
     out = torch.zeros(batch, n_q, heads, head_dim, dtype=torch.float32)
     lse = torch.full((batch, heads, n_q), float("-inf"))
     seen = torch.zeros(n_q, dtype=torch.bool)  # rows that see some key
@@ -451,7 +464,7 @@ def _fused_forward(q, k, v, params: AttentionParams) -> tuple[torch.Tensor, torc
             out[:, rows], lse[:, :, rows] = part_out.transpose(1, 2), part_lse
         seen[rows] |= True if piece.seeing is None else piece.seeing
     lse[:, :, ~seen] = params.empty_lse
-    return out.to(q.dtype), lse
+    return _as(out, q), lse
 
 
 def _with_lse_grad(q, k, v, out, dout, dlse) -> tuple[torch.Tensor, ...]:
@@ -478,12 +491,12 @@ def _fused_backward(dout, dlse, q, k, v, out, lse, params: AttentionParams):
     pieces = _pieces(n_q, n_k, params, dtype)
 
     def gradients(p: _Piece) -> tuple[torch.Tensor, ...]:  # (B, N, H, D) views: dq of rows m0:m1, dk, dv of keys n0:n1
-        rows, keys = slice(p.m0, p.m1), slice(p.n0, p.n1)
+        rows, keys = (p.m0, p.m1), (p.n0, p.n1)
         grads = ATEN_BACKWARD(
-            dout_t[:, :, rows], q_t[:, :, rows], k_t[:, :, keys], v_t[:, :, keys], out_t[:, :, rows],
-            lse[:, :, rows], 0.0, p.causal, attn_mask=p.mask, scale=params.softmax_scale,
+            _span(dout_t, *rows), _span(q_t, *rows), _span(k_t, *keys), _span(v_t, *keys), _span(out_t, *rows),
+            _span(lse, *rows), 0.0, p.causal, attn_mask=p.mask, scale=params.softmax_scale,
         )  # fmt: skip
-        return tuple(x[..., :head_dim].transpose(1, 2) for x in grads)
+        return tuple((x if x.shape[-1] == head_dim else x[..., :head_dim]).transpose(1, 2) for x in grads)
 
     if len(pieces) == 1 and pieces[0].whole(n_q, n_k):
         dq, dk, dv = gradients(pieces[0])
@@ -496,4 +509,4 @@ def _fused_backward(dout, dlse, q, k, v, out, lse, params: AttentionParams):
             dv[:, p.n0 : p.n1] += part_dv
     if heads_k != heads:
         dk, dv = (x.unflatten(2, (heads_k, heads // heads_k)).sum(3) for x in (dk, dv))
-    return tuple(x.to(dtype).contiguous() for x, dtype in ((dq, q.dtype), (dk, k.dtype), (dv, v.dtype)))
+    return _as(dq, q), _as(dk, k), _as(dv, v)
