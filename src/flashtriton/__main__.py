@@ -11,7 +11,13 @@ import triton
 
 from . import __version__, bench, warmup
 
-DEMO_PROVIDERS = ["flashtriton", "standard", "sdpa", "sdpa-cudnn", "sdpa-flash"]
+# The demo's peers. On a GPU: standard attention and SDPA's backends. On a CPU: SDPA first (its CPU kernel is the one
+# the PyTorch path's fused calls run, so its column shows what flashtriton adds around it), then standard attention.
+DEMO_PROVIDERS = (
+    ["flashtriton", "standard", "sdpa", "sdpa-cudnn", "sdpa-flash"]
+    if torch.cuda.is_available()
+    else ["flashtriton", "sdpa", "standard"]
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo",
         help="a quick bench: one case per causal flag against standard attention and SDPA, no plot",
-        description="`flashtriton bench --quick --no-plots --out out/demo` against standard attention and SDPA; "
-        "the bench's options apply.",
+        description="`flashtriton bench --quick --no-plots --out out/demo` against standard attention and SDPA "
+        f"({', '.join(DEMO_PROVIDERS[1:])} on this machine); the bench's options apply.",
     )
     bench.add_arguments(demo)
     demo.set_defaults(run=bench.run, quick=True, no_plots=True, out="out/demo", providers=DEMO_PROVIDERS)

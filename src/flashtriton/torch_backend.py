@@ -1,10 +1,21 @@
-"""The FlashAttention algorithm in PyTorch ops: the path for CPU tensors (and any device where
-the Triton kernels cannot run).
+"""The PyTorch path: CPU tensors, fp32 on any device, and FLASHTRITON_BACKEND=torch.
 
-Same algorithm as the kernels, written for readability: the forward walks query tiles and, inside,
-the key tiles they can see with an online softmax; the backward recomputes each score tile from
-Q, K and the saved LSE. Extra memory is O(N * d + BLOCK_M * BLOCK_N) per (batch, head): no
-seqlen_q x seqlen_k matrix is ever allocated. Arithmetic is fp32 whatever the input dtype.
+Two implementations, chosen per call by ``fused_serves``:
+
+fused  ATen's CPU flash-attention kernel (the one F.scaled_dot_product_attention runs on CPU), for
+       CPU tensors whose scores are softmax_scale * q.k under no mask, a causal mask or a sliding
+       window. Its causal mask is top-left aligned and it has no window, so a call is cut into
+       pieces it computes exactly (_pieces): query rows against a key range, each either unmasked,
+       top-left causal, or under a small additive mask of its own rows and keys; pieces that share
+       rows are merged by their LSE. Memory stays O(N * d) per (batch, head) plus a mask of one
+       query tile's band.
+tiled  the same algorithm as the Triton kernels, in PyTorch ops, for every option (softcap, ALiBi,
+       dropout, score_mod, block masks) and for tensors off the CPU.
+
+The tiled forward walks query tiles and, inside, the key tiles they can see with an online softmax;
+the backward recomputes each score tile from Q, K and the saved LSE. Extra memory is
+O(N * d + BLOCK_M * BLOCK_N) per (batch, head): no seqlen_q x seqlen_k matrix is ever allocated.
+Arithmetic is fp32 whatever the input dtype.
 
 Every option of AttentionParams (params.py has the semantics) is applied to a score tile in
 _scores: softcap, ALiBi, score_mod, then the window's and the block mask's element masks. Key
@@ -190,18 +201,24 @@ def forward(
     headdim), lse (nheads, total_q). Rows that see no key: out 0, lse params.empty_lse.
     """
     if not params.varlen:
-        out, lse = _forward(q, k, v, params, first_batch=0)
+        out, lse = _dense_forward(q, k, v, params, first_batch=0)
     else:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
         for b, (rows_q, rows_k) in enumerate(_sequences(params)):
-            out_b, lse_b = _forward(q[None, rows_q], k[None, rows_k], v[None, rows_k], params, first_batch=b)
+            out_b, lse_b = _dense_forward(q[None, rows_q], k[None, rows_k], v[None, rows_k], params, first_batch=b)
             out[rows_q], lse[:, rows_q] = out_b[0], lse_b[0]
     return out, lse if params.write_lse else None
 
 
-def _forward(q, k, v, params: AttentionParams, first_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense forward on batch entries first_batch, first_batch + 1, ... (their alibi and dropout indices)."""
+def _dense_forward(q, k, v, params: AttentionParams, first_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if fused_serves(q, params):
+        return _fused_forward(q, k, v, params)
+    return _tiled_forward(q, k, v, params, first_batch)
+
+
+def _tiled_forward(q, k, v, params: AttentionParams, first_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tiled dense forward on batch entries first_batch, first_batch + 1, ... (their alibi and dropout indices)."""
     batch, n_q, heads, head_dim = q.shape
     n_k, heads_k = k.shape[1], k.shape[2]
     out = torch.empty(batch, n_q, heads, head_dim, dtype=q.dtype, device=q.device)
@@ -252,12 +269,12 @@ def backward(
     """
     lse = final_lse(lse, params)
     if not params.varlen:
-        return _backward(dout, dlse, q, k, v, out, lse, params, first_batch=0)
+        return _dense_backward(dout, dlse, q, k, v, out, lse, params, first_batch=0)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     for b, (rows_q, rows_k) in enumerate(_sequences(params)):
-        dq_b, dk_b, dv_b = _backward(
+        dq_b, dk_b, dv_b = _dense_backward(
             dout[None, rows_q], dlse[None, :, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k],
             out[None, rows_q], lse[None, :, rows_q], params, first_batch=b,
         )  # fmt: skip
@@ -265,8 +282,14 @@ def backward(
     return dq, dk, dv
 
 
-def _backward(dout, dlse, q, k, v, out, lse, params: AttentionParams, first_batch: int):
-    """Dense backward on batch entries first_batch, first_batch + 1, ..."""
+def _dense_backward(dout, dlse, q, k, v, out, lse, params: AttentionParams, first_batch: int):
+    if fused_serves(q, params):
+        return _fused_backward(dout, dlse, q, k, v, out, lse, params)
+    return _tiled_backward(dout, dlse, q, k, v, out, lse, params, first_batch)
+
+
+def _tiled_backward(dout, dlse, q, k, v, out, lse, params: AttentionParams, first_batch: int):
+    """Tiled dense backward on batch entries first_batch, first_batch + 1, ..."""
     batch, n_q, heads = q.shape[:3]
     n_k, heads_k = k.shape[1], k.shape[2]
     # delta = rowsum(dO * O) - dLSE; the dLSE term carries gradients through the returned LSE.
@@ -303,3 +326,187 @@ def _backward(dout, dlse, q, k, v, out, lse, params: AttentionParams, first_batc
             dk[:, :, n0:n1] += torch.matmul(dscores.transpose(-1, -2), q_t)  # q_t carries the scale
         dq[:, m0:m1] = _ungroup_rows(dq_t * params.softmax_scale, m1 - m0)
     return dq, dk.to(k.dtype).transpose(1, 2).contiguous(), dv.to(v.dtype).transpose(1, 2).contiguous()
+
+
+# The fused path. ATen's kernel takes (batch, nheads, seqlen, headdim) views whose head dim is contiguous and returns
+# the natural-log LSE in fp32 (batch, nheads, seqlen_q). It reads K/V head h for query head h (no GQA), gives a row
+# that sees no key out 0 and LSE 0, and its backward takes rowsum(dO * O) from the out it is given (no dLSE input).
+ATEN_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+ATEN_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def fused_serves(q: torch.Tensor, params: AttentionParams) -> bool:
+    """Whether ATen's fused CPU kernel computes this call: CPU tensors (it has no other device) whose scores are
+    softmax_scale * q.k (it has no softcap, ALiBi, dropout or score_mod), under no mask, a causal mask or a window
+    (which _pieces cuts into calls it computes exactly), and no block mask (whose mask_mod is arbitrary code)."""
+    return q.device.type == "cpu" and params.plain and not params.sparse
+
+
+def _fused_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp16 runs as fp32: without fp16 matrix units (most CPUs) ATen's fp16 kernel converts in its inner loops and is
+    several times slower than its fp32 one, its backward most of all."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One call of the fused kernel: query rows [m0, m1) against keys [n0, n1), top-left causal or under ``mask``."""
+
+    m0: int
+    m1: int
+    n0: int
+    n1: int
+    causal: bool = False
+    mask: torch.Tensor | None = None  # (m1 - m0, n1 - n0) additive: 0 where the query sees the key, -inf elsewhere
+    seeing: torch.Tensor | None = None  # (m1 - m0,) bool: the rows that see some key here; None: all of them
+
+    def whole(self, n_q: int, n_k: int) -> bool:
+        """Every query against every key, each query seeing some key: the call's answer is this piece's."""
+        return (self.m0, self.m1, self.n0, self.n1) == (0, n_q, 0, n_k) and self.mask is None
+
+
+def _pieces(n_q: int, n_k: int, params: AttentionParams, dtype: torch.dtype) -> list[_Piece]:
+    """The fused-kernel calls that make up one dense call, query i seeing key j as params.py's window says.
+
+    No window: one call. Bounded on the right only (causal, or causal shifted by window_right): with
+    d = n_k - n_q + window_right, query i sees the keys j <= i + d, so every query sees the keys below d (an
+    unmasked call) and key d + c iff c <= i (the kernel's top-left causal mask); for d <= 0 the first -d queries see
+    no key. Bounded on the left: a call per query tile against the keys its band spans, under the band's mask.
+    An empty sequence of a varlen batch makes no call (the kernel divides by both lengths).
+    """
+    if n_q == 0 or n_k == 0:
+        return []
+    if not params.windowed:
+        return [_Piece(0, n_q, 0, n_k)]
+    if params.right_only:
+        d = n_k - n_q + params.window_right
+        if d <= 0:
+            return [_Piece(-d, n_q, 0, n_k, causal=True)] if -d < n_q else []
+        unmasked = _Piece(0, n_q, 0, min(d, n_k))
+        return [unmasked, _Piece(0, n_q, d, n_k, causal=True)] if d < n_k else [unmasked]
+    pieces = []
+    for m0 in range(0, n_q, TORCH_BLOCK_M):
+        m1 = min(m0 + TORCH_BLOCK_M, n_q)
+        rows = _rows(m0, m1, n_k - n_q, 0, 1, 1, 1, torch.device("cpu"))
+        tiles = _key_tiles(rows, n_k, params)
+        if not tiles:
+            continue
+        n0, n1 = tiles[0][0], tiles[-1][1]
+        visible = _window_visible(rows, n0, n1, params)
+        if visible is None:
+            pieces.append(_Piece(m0, m1, n0, n1))
+            continue
+        visible = visible.view(m1 - m0, n1 - n0)
+        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+        pieces.append(_Piece(m0, m1, n0, n1, mask=mask, seeing=visible.any(-1)))
+    return pieces
+
+
+def _fused_input(x: torch.Tensor, dtype: torch.dtype, heads: int) -> torch.Tensor:
+    """(B, n, HKV, D) -> the kernel's (B, H, n, D) view in ``dtype``, K/V heads repeated for the GQA group (a copy
+    where the head dim is strided: the kernel reads it contiguous)."""
+    if x.dtype != dtype:
+        x = x.to(dtype)
+    if x.shape[2] != heads:
+        x = x.repeat_interleave(heads // x.shape[2], dim=2)
+    return (x if x.stride(-1) == 1 else x.contiguous()).transpose(1, 2)
+
+
+def _span(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """x[:, :, start:stop]; x itself when that is all of it. Host time right after a kernel is dear (its caches are
+    cold), and the one-piece calls, the common ones, need no views."""
+    return x if start == 0 and stop == x.shape[2] else x[:, :, start:stop]
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """Adds a piece's (out, lse) to the running (out, lse) of the same rows, in place, by log-sum-exp weights (every
+    row has seen a key in both: the LSEs are finite)."""
+    total = torch.logaddexp(lse, part_lse)
+    out.mul_(torch.exp(lse - total)[..., None]).add_(part_out * torch.exp(part_lse - total)[..., None])
+    lse.copy_(total)
+
+
+def _as(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """x in like's dtype, contiguous (as the custom ops' fake outputs are)."""
+    return (x if x.dtype == like.dtype else x.to(like.dtype)).contiguous()
+
+
+def _fused_forward(q, k, v, params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense forward, a kernel call per piece: out (B, N_Q, H, D) in q's dtype, lse (B, H, N_Q) fp32."""
+    batch, n_q, heads, head_dim = q.shape
+    n_k = k.shape[1]
+    dtype = _fused_dtype(q.dtype)
+    q_t, k_t, v_t = (_fused_input(x, dtype, heads) for x in (q, k, v))
+    pieces = _pieces(n_q, n_k, params, dtype)
+    parts = [
+        ATEN_FORWARD(
+            _span(q_t, p.m0, p.m1),
+            _span(k_t, p.n0, p.n1),
+            _span(v_t, p.n0, p.n1),
+            is_causal=p.causal,
+            attn_mask=p.mask,
+            scale=params.softmax_scale,
+        )
+        for p in pieces
+    ]
+    if len(pieces) == 1 and pieces[0].whole(n_q, n_k):  # the kernel's answer is the call's
+        out, lse = parts[0]
+        return _as(out.transpose(1, 2), q), lse.contiguous()
+    out = torch.zeros(batch, n_q, heads, head_dim, dtype=torch.float32)
+    lse = torch.full((batch, heads, n_q), float("-inf"))
+    seen = torch.zeros(n_q, dtype=torch.bool)  # rows that see some key
+    for piece, (part_out, part_lse) in zip(pieces, parts, strict=True):
+        rows = slice(piece.m0, piece.m1)
+        if seen[rows].any():
+            assert piece.seeing is None, "pieces that share rows are unmasked or causal (_pieces)"
+            _merge(out.transpose(1, 2)[:, :, rows], lse[:, :, rows], part_out, part_lse)
+        else:
+            out[:, rows], lse[:, :, rows] = part_out.transpose(1, 2), part_lse
+        seen[rows] |= True if piece.seeing is None else piece.seeing
+    lse[:, :, ~seen] = params.empty_lse
+    return _as(out, q), lse
+
+
+def _with_lse_grad(q, k, v, out, dout, dlse) -> tuple[torch.Tensor, ...]:
+    """The kernel's (B, H, n, D) inputs widened by a head-dim column that carries dLSE into its backward: out gets
+    -dLSE there and dout 1, so rowsum(dout * out) = rowsum(dO * O) - dLSE (the delta with the LSE's gradient); q, k
+    and v get 0, so the scores and dO V^T are unchanged. The gradients' first D columns are the answer."""
+
+    def widen(x: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, column.to(x.dtype).expand(*x.shape[:-1], 1)], dim=-1)
+
+    zero, one = q.new_zeros(()), q.new_ones(())
+    return widen(q, zero), widen(k, zero), widen(v, zero), widen(out, -dlse[..., None]), widen(dout, one)
+
+
+def _fused_backward(dout, dlse, q, k, v, out, lse, params: AttentionParams):
+    """Dense backward, a kernel call per piece as in the forward; dK, dV of a GQA group summed over its heads."""
+    batch, n_q, heads, head_dim = q.shape
+    n_k, heads_k = k.shape[1], k.shape[2]
+    dtype = _fused_dtype(q.dtype)
+    tensors = [_fused_input(x, dtype, heads) for x in (q, k, v, out, dout)]
+    if dlse.any():
+        tensors = _with_lse_grad(*tensors, dlse)
+    q_t, k_t, v_t, out_t, dout_t = tensors
+    pieces = _pieces(n_q, n_k, params, dtype)
+
+    def gradients(p: _Piece) -> tuple[torch.Tensor, ...]:  # (B, N, H, D) views: dq of rows m0:m1, dk, dv of keys n0:n1
+        rows, keys = (p.m0, p.m1), (p.n0, p.n1)
+        grads = ATEN_BACKWARD(
+            _span(dout_t, *rows), _span(q_t, *rows), _span(k_t, *keys), _span(v_t, *keys), _span(out_t, *rows),
+            _span(lse, *rows), 0.0, p.causal, attn_mask=p.mask, scale=params.softmax_scale,
+        )  # fmt: skip
+        return tuple((x if x.shape[-1] == head_dim else x[..., :head_dim]).transpose(1, 2) for x in grads)
+
+    if len(pieces) == 1 and pieces[0].whole(n_q, n_k):
+        dq, dk, dv = gradients(pieces[0])
+    else:  # added up piece by piece, so that no two pieces' gradients are held at once
+        dq, dk, dv = (torch.zeros(batch, n, heads, head_dim) for n in (n_q, n_k, n_k))
+        for p in pieces:
+            part_dq, part_dk, part_dv = gradients(p)
+            dq[:, p.m0 : p.m1] += part_dq
+            dk[:, p.n0 : p.n1] += part_dk
+            dv[:, p.n0 : p.n1] += part_dv
+    if heads_k != heads:
+        dk, dv = (x.unflatten(2, (heads_k, heads // heads_k)).sum(3) for x in (dk, dv))
+    return _as(dq, q), _as(dk, k), _as(dv, v)
