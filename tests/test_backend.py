@@ -335,3 +335,46 @@ def test_hopper_backward_order_changes_no_bits(head_dim, monkeypatch):
         assert not (dk0.isnan().any() or dv0.isnan().any() or dq0.isnan().any())
         assert torch.equal(dk0, dk1) and torch.equal(dv0, dv1)
         torch.testing.assert_close(dq1, dq0, atol=2e-2, rtol=1e-2)  # dQ's shares add up in another order
+
+
+def test_heads_grid_splits_batch_times_heads_over_two_axes():
+    """More (batch, head) programs than CUDA's 65535 along y go over y and z, a whole number of heads on y, exactly."""
+    assert triton_backend._heads_grid(7, 4, 16) == (7, 64, 1)
+    assert triton_backend._heads_grid(7, 4096, 32) == (7, 65536 // 2, 4)
+    assert triton_backend._heads_grid(3, 70007, 3) == (3, 30003, 7)  # 70007 = 7 * 10001
+    with pytest.raises(ValueError, match="split the batch"):
+        triton_backend._heads_grid(1, 70001, 1)  # a prime batch past y's limit: no whole split
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_programs_split_over_grid_axes_agree(causal, monkeypatch):
+    """The portable kernels with their (batch, head) programs split over y and z (a tiny y limit stands in for CUDA's)
+    give the same bits as on one axis, forward and backward, in whichever of the interpreter or the GPU runs."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setenv("FLASHTRITON_BACKEND", "triton")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(4, 33, h, 16, device=device, dtype=torch.float16) for h in (4, 2, 2))
+    p = AttentionParams(0.25, window_right=0 if causal else -1)
+
+    def run():
+        r = route.forward(q, k, v, p)
+        out, lse = triton_backend.forward(q, k, v, p, r)
+        back = route.backward(out, lse, q, k, v, out, lse, p)
+        return out, lse, *triton_backend.backward(out, torch.ones_like(lse), q, k, v, out, lse, p, back)
+
+    expected = run()
+    monkeypatch.setattr(triton_backend, "_GRID_Y", 4)  # 16 query-head programs: y = 4 (one batch), z = 4
+    monkeypatch.setattr(triton_backend, "_PLANS", {})
+    for a, b in zip(run(), expected, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_windows_wider_than_any_sequence_hide_nothing(monkeypatch):
+    """Window bounds near 2**31 are clamped on the host (row + bound stays inside the kernels' 32-bit arithmetic): the
+    same result as no bound, in whichever of the interpreter or the GPU runs here."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setenv("FLASHTRITON_BACKEND", "triton")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 64, 2, 16, device=device, dtype=torch.float16) for _ in range(3))
+    wide = flash_attn_func(q, k, v, window_size=(2**31 - 2, 2**31 - 2))
+    torch.testing.assert_close(wide, flash_attn_func(q, k, v), atol=0, rtol=0)

@@ -34,6 +34,23 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)  # triton.cdiv is a constexpr function: several times the host time
 
 
+_GRID_Y = 65535  # CUDA's largest grid along y and z
+
+
+def _heads_grid(tiles: int, batch: int, heads: int) -> tuple[int, int, int]:
+    """The grid (tiles, Y, Z) of Y * Z == batch * heads (batch, head) programs (kernels/common.head_program): all on y
+    where they fit, else split exactly over y and z, a whole number of heads on y."""
+    programs = batch * heads
+    if programs <= _GRID_Y:
+        return tiles, programs, 1
+    for z in range(_cdiv(programs, _GRID_Y), min(batch, _GRID_Y) + 1):
+        if batch % z == 0 and programs // z <= _GRID_Y:
+            return tiles, programs // z, z
+    raise ValueError(
+        f"batch {batch} x heads {heads} is more (batch, head) programs than the kernels' grid takes: split the batch"
+    )
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs get true fp32 products (not tf32): the user asked for fp32 accuracy.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -123,7 +140,7 @@ def _hopper_common(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, p: Atten
     stride_lb, stride_lh = _lse_strides(lse, p.varlen)
     return batch, n, dict(
         stride_lb=stride_lb, stride_lh=stride_lh, N=n, H=q.shape[2], GROUP=q.shape[2] // k.shape[2],
-        qk_scale=p.softmax_scale * LOG2E, window_left=max(p.window_left, 0), CU_SEQLENS=p.cu_seqlens_q,
+        qk_scale=p.softmax_scale * LOG2E, window_left=_bound(p.window_left, 2 * n), CU_SEQLENS=p.cu_seqlens_q,
         CAUSAL=p.diagonal, LEFT=p.left_bounded, VARLEN=p.varlen, RAGGED=not route.whole_sequences(p, n, rows),
         D=q.shape[3], num_warps=config.HOPPER_NUM_WARPS,
     )  # fmt: skip
@@ -269,12 +286,18 @@ def _lse_strides(lse: torch.Tensor | None, varlen: bool) -> tuple[int, int]:
     return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
 
 
-def _features(p: AttentionParams) -> tuple[dict, dict]:
-    """Runtime arguments and constexpr flags of the feature set, shared by every kernel."""
+def _bound(window: int, n: int) -> int:
+    """A window bound as the kernels take it: 0 for none (-1), and at most n (query plus key rows), which changes no
+    result and keeps row + bound inside the kernels' 32-bit arithmetic."""
+    return min(max(window, 0), n)
+
+
+def _features(p: AttentionParams, n: int = 0) -> tuple[dict, dict]:
+    """Runtime arguments and constexpr flags of the feature set, shared by every kernel (n: query plus key rows)."""
     runtime = dict(
         CU_SEQLENS_Q=p.cu_seqlens_q, CU_SEQLENS_K=p.cu_seqlens_k, ALIBI_SLOPES=p.alibi_slopes,
         softcap=p.softmax_scale / p.softcap if p.softcap > 0 else 0.0,
-        window_left=max(p.window_left, 0), window_right=max(p.window_right, 0),
+        window_left=_bound(p.window_left, n), window_right=_bound(p.window_right, n),
         seed=p.seed, threshold=dropout.threshold(p.dropout_p), dropout_scale=1.0 / (1.0 - p.dropout_p),
         MASK_TENSORS=(), SCORE_TENSORS=tuple(p.score_mod.tensors) if p.score_mod else (),
     )  # fmt: skip
@@ -375,7 +398,7 @@ def _hopper_dq(q, k, v, out, dout, lse, dlse, delta, lse_rows, dq, p: AttentionP
     batch, n, common = _hopper_common(q, k, lse, p, cfg.rows)
     tiles = cfg.dq
     stride_rb, stride_rh = _lse_strides(delta, p.varlen)
-    return _DQ_SM90.bind((_cdiv(n, 2 * tiles.block_m), batch * common["H"]))(
+    return _DQ_SM90.bind(_heads_grid(_cdiv(n, 2 * tiles.block_m), batch, common["H"]))(
         _gluon_view(q, tiles.block_m), _gluon_view(k, tiles.block_n), _gluon_view(v, tiles.block_n),
         _gluon_view(dout, tiles.block_m), _gluon_view(dq, tiles.block_m), dq, *_strides(dq, p.varlen), lse, delta,
         lse_rows, out, dlse, *_strides(out, p.varlen), stride_rb=stride_rb, stride_rh=stride_rh,
@@ -434,9 +457,9 @@ def _written(out: torch.Tensor, lse: torch.Tensor | None) -> tuple[torch.Tensor,
 def _portable_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.ForwardConfig, batch, n_q, n_k):
     """The portable forward kernel into out and lse: (out, lse)."""
     heads, head_dim, heads_k = q.shape[2], q.shape[3], k.shape[2]
-    runtime, flags = _features(p)
+    runtime, flags = _features(p, n_q + n_k)
     block_m, block_n = _tile(cfg.block_m, p.block_mask, 0), _tile(cfg.block_n, p.block_mask, 1)
-    grid = (_cdiv(n_q, block_m), batch * heads)
+    grid = _heads_grid(_cdiv(n_q, block_m), batch, heads)
     block_d = config.block_d(head_dim)
     attention_forward_kernel[grid](
         q, k, v, out, lse, _tma_view(k, block_n, block_d, cfg.tma), _tma_view(v, block_n, block_d, cfg.tma),
@@ -506,7 +529,7 @@ def backward(
     common = dict(H=heads, D=head_dim, BLOCK_D=block_d)
     lse_strides = _lse_strides(lse, p.varlen)
     block = config.PREPROCESS_BLOCK_M
-    recorder.add(_PREPROCESS.bind((_cdiv(n_q, block), batch * heads))(
+    recorder.add(_PREPROCESS.bind(_heads_grid(_cdiv(n_q, block), batch, heads))(
         out, dout, dlse, delta, dq_sums, lse, lse_rows,
         *_strides(out, p.varlen), *_strides(dout, p.varlen), *_strides(dq if dq_sums is None else dq_sums, p.varlen),
         *lse_strides, *_lse_strides(delta, p.varlen), N_Q=n_q, CU_SEQLENS_Q=p.cu_seqlens_q, BLOCK_M=block,
@@ -518,7 +541,7 @@ def backward(
         _keep(key, recorder)
         return _shaped((dq, dk, dv), shapes, grad_dtype)
     cfg = r.config
-    runtime, flags = _features(p)
+    runtime, flags = _features(p, n_q + n_k)
     flags.update(SCORE_GRAD=p.score_mod.grad if p.score_mod else None)
     kernel_args = dict(
         N_Q=n_q, N_K=n_k, qk_scale=p.softmax_scale * LOG2E, softmax_scale=p.softmax_scale, GROUP=heads // heads_k,
@@ -526,7 +549,7 @@ def backward(
     )  # fmt: skip
     mask = p.block_mask
     block_m, block_n = _tile(cfg.block_m_kv, mask, 0), _tile(cfg.block_n_kv, mask, 1)
-    attention_backward_dkdv_kernel[(_cdiv(n_k, block_n), batch * heads_k)](
+    attention_backward_dkdv_kernel[_heads_grid(_cdiv(n_k, block_n), batch, heads_k)](
         q, k, v, dout, lse, delta, dk, dv,
         _tma_view(q, block_m, block_d, cfg.tma), _tma_view(dout, block_m, block_d, cfg.tma),
         *(s for x in (q, k, v, dout, dk, dv) for s in _strides(x, p.varlen)), *lse_strides,
@@ -535,7 +558,7 @@ def backward(
         num_warps=cfg.num_warps, num_stages=cfg.stages_kv, **_tile_lists(mask, transposed=True), **kernel_args,
     )  # fmt: skip
     block_m, block_n = _tile(cfg.block_m_q, mask, 0), _tile(cfg.block_n_q, mask, 1)
-    attention_backward_dq_kernel[(_cdiv(n_q, block_m), batch * heads)](
+    attention_backward_dq_kernel[_heads_grid(_cdiv(n_q, block_m), batch, heads)](
         q, k, v, dout, lse, delta, dq,
         _tma_view(k, block_n, block_d, cfg.tma), _tma_view(v, block_n, block_d, cfg.tma),
         *(s for x in (q, k, v, dout, dq) for s in _strides(x, p.varlen)), *lse_strides,

@@ -36,6 +36,7 @@ from .common import (
     LOG2E,
     band_stretch,
     dropout_keep,
+    head_program,
     key_range,
     listed,
     load_block,
@@ -65,7 +66,7 @@ def attention_backward_preprocess_kernel(
     the Gluon backward's aligned rows (stride_rb, stride_rh: config.LSE_ROWS_ALIGN), LSE copied beside it into
     LSE_ROWS; and DQ (not None: the fused Gluon backward's fp32 sums) zeroed."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = head_program()
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     stride_om, stride_dom, stride_dqm = wide(stride_om), wide(stride_dom), wide(stride_dqm)
@@ -239,7 +240,7 @@ def attention_backward_dkdv_kernel(
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, EDGE_STAGES: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
-    pid_bhk = tl.program_id(1)
+    pid_bhk = head_program()
     HKV = H // GROUP
     b = (pid_bhk // HKV).to(tl.int64)
     hk = (pid_bhk % HKV).to(tl.int64)
@@ -411,7 +412,7 @@ def attention_backward_dq_kernel(
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, EDGE_STAGES: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = head_program()
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     hk = h // GROUP

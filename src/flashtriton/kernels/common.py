@@ -15,6 +15,13 @@ LN2 = tl.constexpr(0.6931471805599453)  # ln(2): converts a base-2 LSE to natura
 
 
 @triton.jit
+def head_program():
+    """Which (batch, head) of a grid (tiles, Y, Z) this program computes: Y * Z of them, split over two axes where
+    there are more than CUDA's 65535 on one (triton_backend._heads_grid)."""
+    return tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
+
+
+@triton.jit
 def wide(stride):
     """A row stride in 64 bits, so that every product with it is: Triton passes an int below 2**31 as int32, whose
     products wrap silently, and on a tensor over 2**31 elements row * stride passes 2**31 (row 2**21 of rows of

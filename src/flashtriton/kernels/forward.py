@@ -43,6 +43,7 @@ from .common import (
     LN2,
     band_stretch,
     dropout_keep,
+    head_program,
     key_range,
     listed,
     load_block,
@@ -157,7 +158,7 @@ def attention_forward_kernel(
     DOT_PRECISION: tl.constexpr, EDGE_STAGES: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = head_program()
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     hk = h // GROUP

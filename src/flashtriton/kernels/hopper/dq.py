@@ -129,8 +129,9 @@ def attention_backward_dq_sm90_kernel(
     program, K/V tiles through a ring of STAGES slots; O: the forward's output and DQ, (B, N, H, D) with the strides
     given (dQ also through dq_desc). LSE, DLSE: strides stride_lb, stride_lh; DELTA and LSE_ROWS (LSE's copy): the
     aligned rows that the dK/dV kernel reads (stride_rb, stride_rh; primitives.rows_start)."""
-    b = gl.program_id(1) // H
-    h = gl.program_id(1) % H
+    pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)  # triton_backend._heads_grid
+    b = pid_bh // H
+    h = pid_bh % H
     m0, bc, seq0, N, lse0 = query_tile(gl.program_id(0), b, gl.num_programs(0), N, CU_SEQLENS, CAUSAL, VARLEN,
                                        2 * BLOCK_M)  # fmt: skip
     if m0 >= N:  # past the end of a shorter varlen sequence
