@@ -89,7 +89,7 @@ def _online_softmax(scores, m_i, l_i, rows, first_row, first_col, n, qk_scale, w
         if first_col + BLOCK_N > n:
             cols = first_col + gl.arange(0, BLOCK_N, gl.SliceLayout(0, scores.type.layout))
             scores = gl.where(gl.expand_dims(cols < n, 0), scores, float("-inf"))
-    m_new = gl.maximum(m_i, _row_max(scores, TREE) * qk_scale)  # the scaled max: validation makes qk_scale > 0
+    m_new = gl.maximum(m_i, _row_max(scores, TREE) * qk_scale)  # the scaled max: interface makes qk_scale > 0
     m_use = m_new
     if LEFT:  # a row may have seen no key yet: its window starts past this tile
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
