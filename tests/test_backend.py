@@ -126,8 +126,14 @@ def test_hopper_scope():
     assert config.hopper_backward_config("sm90", 64, torch.bfloat16) is not None
     split = config.hopper_backward_config("sm90", 256, torch.bfloat16)
     assert split.split_d and split.dq is None and split.rows == 64  # fused only: deterministic runs the portable pair
-    for head_dim in (64, 128, 256):  # the preprocess kernel zeroes the fused backward's dQ sums in whole tiles
-        assert config.hopper_backward_config("sm90", head_dim, torch.bfloat16).block_m == config.PREPROCESS_BLOCK_M
+    align = config.LSE_ROWS_ALIGN
+    for head_dim in (64, 128, 256):
+        cfg = config.hopper_backward_config("sm90", head_dim, torch.bfloat16)
+        assert cfg.block_m == config.PREPROCESS_BLOCK_M  # the preprocess zeroes the fused dQ sums in whole tiles
+        # the aligned LSE and delta rows past a sequence's end are written (zeros) by whichever pass writes delta,
+        # in whole programs, and the dK/dV kernel reads no further than the next multiple of LSE_ROWS_ALIGN
+        assert config.PREPROCESS_BLOCK_M % align == 0 and align % cfg.block_m == 0
+        assert cfg.dq is None or 2 * cfg.dq.block_m % align == 0
 
 
 @hopper

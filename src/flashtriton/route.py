@@ -130,14 +130,17 @@ def tma_fits(x: torch.Tensor, block_d: int) -> bool:
 def strided_tma_fits(x: torch.Tensor) -> bool:
     """A (B, N, H, D) tensor, as the kernels see it (a copy if its last stride is not 1), reads through a rank-4 TMA
     descriptor of its own strides (the Gluon kernels'): D a power of two up to 256, base and strides 16-byte
-    aligned (a dim of size 1 has no stride that matters)."""
+    aligned and not 0 (a dim of size 1 has no stride that matters)."""
     if x.stride(-1) != 1:
         return _power_of_two(x.shape[-1])  # the kernels read a contiguous copy
     size = x.element_size()
     return (
         _power_of_two(x.shape[-1])
         and x.data_ptr() % 16 == 0
-        and all(n == 1 or stride * size % 16 == 0 for n, stride in zip(x.shape[:-1], x.stride()[:-1], strict=True))
+        and all(
+            n == 1 or (stride > 0 and stride * size % 16 == 0)
+            for n, stride in zip(x.shape[:-1], x.stride()[:-1], strict=True)
+        )
     )
 
 
@@ -167,6 +170,12 @@ def _lse_entries(q: torch.Tensor, p: AttentionParams) -> int:
     """How many LSE entries the Gluon backward's aligned rows hold, at most (triton_backend._aligned_rows)."""
     batch = p.cu_seqlens_q.shape[0] - 1 if p.varlen else q.shape[0]
     return math.prod(q.shape[:-1]) + q.shape[-2] * (batch + 1) * config.LSE_ROWS_ALIGN
+
+
+def _starts_aligned(p: AttentionParams, tile: int) -> bool:
+    """Every varlen sequence starts at a multiple of ``tile`` rows (the last may end anywhere)."""
+    starts = _cu_seqlens(p)
+    return starts is not None and all(start % tile == 0 for start in starts[:-1])
 
 
 def hopper_fits(p: AttentionParams, *tensors: torch.Tensor) -> bool:
@@ -265,8 +274,8 @@ def _backward(q, k, v, out, dout, p: AttentionParams, gpu: str | None) -> Route:
     gpu, dtype, head_dim, span = call.gpu, call.dtype, call.head_dim, call.span
     cfg = config.hopper_backward_config(gpu, head_dim, dtype)
     if cfg is not None and hopper_fits(p, q, k, v, dout, out):
-        # the fused dQ sums take a varlen sequence's tiles at rows of whole tiles: there, its starts
-        aligned = not p.varlen or whole_sequences(p, 0, cfg.block_m)
+        # the fused dQ sums (in fragment order) take each varlen sequence's tiles at whole-tile rows: its start
+        aligned = not p.varlen or _starts_aligned(p, cfg.block_m)
         if not p.deterministic and span >= cfg.fused_span and aligned:
             return Route(HOPPER, cfg, FUSED)  # one pass, dQ's shares added up in no fixed order
         if cfg.dq is not None:

@@ -101,9 +101,12 @@ def _shared_layout(rows: int, cols: int, dtype: torch.dtype, rank: int = 2) -> g
 def _gluon_view(x: torch.Tensor, rows: int, cols: int | None = None) -> Descriptor:
     """A (B, N, H, D) tensor as the Gluon kernels read and write it: a rank-4 descriptor of its own strides (route.
     strided_tma_fits), blocks of [1, rows, 1, cols] (default: one head's D columns)."""
-    batch, n, _, d = x.shape
+    batch, n, heads, d = x.shape
     cols = cols or d
-    strides = (x.stride(0) if batch > 1 else n * x.stride(1), x.stride(1), x.stride(2), 1)
+    # a dim of size 1 may have any stride (route.strided_tma_fits ignores it): the descriptor gets a legal one
+    head = x.stride(2) if heads > 1 else d
+    row = x.stride(1) if n > 1 else heads * head
+    strides = (x.stride(0) if batch > 1 else n * row, row, head, 1)
     return Descriptor(x, tuple(x.shape), strides, (1, rows, 1, cols), _shared_layout(rows, cols, x.dtype, 4))
 
 
@@ -292,7 +295,7 @@ def _bound(window: int, n: int) -> int:
     return min(max(window, 0), n)
 
 
-def _features(p: AttentionParams, n: int = 0) -> tuple[dict, dict]:
+def _features(p: AttentionParams, n: int) -> tuple[dict, dict]:
     """Runtime arguments and constexpr flags of the feature set, shared by every kernel (n: query plus key rows)."""
     runtime = dict(
         CU_SEQLENS_Q=p.cu_seqlens_q, CU_SEQLENS_K=p.cu_seqlens_k, ALIBI_SLOPES=p.alibi_slopes,
@@ -353,7 +356,7 @@ def _tuning_key(p: AttentionParams, head_dim: int, dtype: torch.dtype, span: int
     """What a tuned config is chosen for beside the kernel family and the GPU (autotune.choose): the head dim, the
     dtype, the span's bucket, the features on, and whether the LSE is written (an inference call's kernel writes
     none, and its best config may differ)."""
-    _, flags = _features(p)
+    _, flags = _features(p, 0)  # the flags alone
     features = tuple(name for name, on in sorted(flags.items()) if on and not name.startswith("SPARSE_BLOCK"))
     written = () if with_lse else ("no lse",)
     return head_dim, str(dtype).removeprefix("torch."), autotune.span_bucket(span), *features, *written

@@ -123,7 +123,7 @@ def attention_backward_dq_convert_kernel(
     rows = pid_m * BLOCK_M % SUMS_ROWS + tl.arange(0, BLOCK_M)
     PARTS: tl.constexpr = D // HALF  # a head's column tiles
     # the column as a multiple of HALF, so that the stores are seen aligned and go out 16 bytes at a time
-    at = DQ + b * stride_dqb + pid_n // PARTS * stride_dqh + pid_n % PARTS * HALF
+    at = DQ + b * stride_dqb + (pid_n // PARTS).to(tl.int64) * stride_dqh + pid_n % PARTS * HALF
     at += rows[:, None] * stride_dqm + tl.arange(0, HALF)[None, :]
     if EVEN:
         tl.store(at, sums.to(DQ.dtype.element_ty))

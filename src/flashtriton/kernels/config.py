@@ -73,7 +73,7 @@ class HopperForwardConfig:
 
     @property
     def rows(self) -> int:
-        """The forward's sequences must be whole multiples of this many rows (a warpgroup's, a K/V tile's)."""
+        """Sequences of whole multiples of this many rows (a warpgroup's, a K/V tile's) need no RAGGED masks."""
         return math.lcm(self.block_m, self.block_n)
 
 
@@ -101,7 +101,7 @@ class HopperBackwardConfig:
 
     @property
     def rows(self) -> int:
-        """Sequences must be whole multiples of this many rows (of both kernels' programs and tiles)."""
+        """Sequences of whole multiples of this many rows (both kernels' programs and tiles) need no RAGGED masks."""
         rows = math.lcm(self.block_m, self.keys)
         return rows if self.dq is None else math.lcm(rows, 2 * self.dq.block_m, self.dq.block_n)
 
@@ -126,8 +126,8 @@ PREPROCESS_BLOCK_M = 64
 # LSE_ROWS_ALIGN) + b) on), written by the pass that computes delta.
 LSE_ROWS_ALIGN = 64
 
-# Columns per program of the dQ conversion from row-major fp32 sums (D=256's split kernel): a [64, 128] tile held 94
-# registers a thread and a [64, 64] one fewer, for a kernel that wants occupancy (not timed).
+# Columns per program of the dQ conversion from row-major fp32 sums (D=256's split kernel): half the registers of a
+# [64, 128] tile, for a memory-bound kernel that wants occupancy (benchmarks/DECISIONS.md).
 DQ_CONVERT_COLS = 64
 
 # fp32 values per row of the fused Hopper backward's dQ reductions in fragment order (hopper/dkdv.py's _fragments),

@@ -3,7 +3,7 @@
 Notation
   B, H, HKV    batch, query heads, key/value heads; GROUP = H // HKV query heads share a K/V head
   N            sequence length, of queries and keys alike (self-attention); VARLEN: the longest, sequence b being
-               rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] of the packed batch
+               rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] of the packed batch. RAGGED: some sequence ends inside a tile
   D            head dim
   BLOCK_M      query rows per streamed step
   BLOCK_N      keys of one consumer warpgroup (SPLIT_D: of both, each taking D / 2 columns)

@@ -3,15 +3,15 @@
 Notation
   B, H, HKV    batch, query heads, key/value heads; GROUP = H // HKV query heads share a K/V head
   N            sequence length, of queries and keys alike (self-attention); VARLEN: the longest, sequence b being
-               rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] of the packed batch
+               rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] of the packed batch. RAGGED: some sequence ends inside a tile
   D            head dim
   BLOCK_M      query rows of one consumer warpgroup; a program has two
   BLOCK_N      keys per streamed K/V tile
 
-Grid: (cdiv(N, 2 * BLOCK_M), B * H), laid out as the forward's tiles (causal: longest first). One program computes
-dQ and delta of 2 * BLOCK_M query rows of one head: each consumer warpgroup keeps its Q and dO rows resident, first
-takes delta = rowsum(dO * O) - dLSE, then streams the K/V tiles its rows see: S = Q K^T, dP = dO V^T,
-dQ += dS K. No atomics: the backward is bitwise reproducible.
+Grid: (cdiv(N, 2 * BLOCK_M), B * H over one or two axes: primitives.head_program), laid out as the forward's tiles
+(causal: longest first). One program computes dQ and delta of 2 * BLOCK_M query rows of one head: each consumer
+warpgroup keeps its Q and dO rows resident, first takes delta = rowsum(dO * O) - dLSE, then streams the K/V tiles
+its rows see: S = Q K^T, dP = dO V^T, dQ += dS K. No atomics: the backward is bitwise reproducible.
 
 Numerics: P = exp2(S * qk_scale - LSE * LOG2E), the forward's natural-log LSE taken to base 2; dQ accumulates in fp32
 and is scaled by softmax_scale once, at the end.
@@ -32,6 +32,7 @@ from .primitives import (
     barriers,
     fill,
     give,
+    head_program,
     in_band,
     key_tiles,
     mma_layout,
@@ -129,7 +130,7 @@ def attention_backward_dq_sm90_kernel(
     program, K/V tiles through a ring of STAGES slots; O: the forward's output and DQ, (B, N, H, D) with the strides
     given (dQ also through dq_desc). LSE, DLSE: strides stride_lb, stride_lh; DELTA and LSE_ROWS (LSE's copy): the
     aligned rows that the dK/dV kernel reads (stride_rb, stride_rh; primitives.rows_start)."""
-    pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)  # triton_backend._heads_grid
+    pid_bh = head_program()
     b = pid_bh // H
     h = pid_bh % H
     m0, bc, seq0, N, lse0 = query_tile(gl.program_id(0), b, gl.num_programs(0), N, CU_SEQLENS, CAUSAL, VARLEN,
@@ -147,7 +148,7 @@ def attention_backward_dq_sm90_kernel(
     key0, n_tiles = key_tiles(m0, 2 * BLOCK_M, N, window_left, CAUSAL, LEFT, BLOCK_N)
     row = b * stride_lb + h * stride_lh + lse0 + m0  # of LSE and DLSE
     out_row = b * stride_rb + h * stride_rh + rows_start(CU_SEQLENS, b, VARLEN) + m0  # of DELTA and LSE_ROWS
-    o = O + bc.to(gl.int64) * stride_ob + (seq0 + m0).to(gl.int64) * stride_om + h * stride_oh
+    o = O + bc.to(gl.int64) * stride_ob + (seq0 + m0).to(gl.int64) * stride_om + h.to(gl.int64) * stride_oh
     dq_out = (dq_desc, DQ, (stride_dqb, stride_dqm, stride_dqh))
     gl.warp_specialize(
         [

@@ -102,6 +102,12 @@ def sequence(CU_SEQLENS, b, N, VARLEN: gl.constexpr):
 
 
 @gluon.jit
+def head_program():
+    """Which (batch, head) of a grid (tiles, Y, Z) this program computes (kernels/common.py's head_program)."""
+    return gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)
+
+
+@gluon.jit
 def rows_start(CU_SEQLENS, b, VARLEN: gl.constexpr):
     """Where sequence b's entries start in the backward's aligned LSE and delta rows (config.LSE_ROWS_ALIGN)."""
     if VARLEN:
