@@ -104,6 +104,9 @@ CASES = [  # (n, head dim, mode): lengths that end inside a tile, and a whole on
     (129, 128, "window"),
     (777, 256, "causal"),
     (2048, 128, "causal"),
+    (4100, 128, "dense"),  # the D=128 fused backward (spans of 2048 and more) on a length that ends inside a tile
+    (17, 64, "causal"),  # shorter than one tile
+    (113, 128, "dense"),
 ]
 
 
@@ -146,6 +149,57 @@ def test_gluon_kernels_on_ragged_documents(causal, deterministic, monkeypatch):
     torch.autograd.backward((out, lse), (dout, dlse))
     _check("ragged", (out, lse, q.grad, k.grad, v.grad), q, k, v, dout, dlse, causal, cu_seqlens=(cu, cu))
     assert calls == ["_hopper_forward", "_hopper_dq", "_hopper_dkdv"]
+
+
+@hopper
+def test_fused_backward_on_documents_that_start_at_whole_tiles(monkeypatch):
+    """Documents that start at multiples of 64 rows but end inside the dK/dV kernel's 128-key programs (and the last
+    inside a tile): the fused backward, whose second warpgroup's keys then lie in the next document."""
+    calls = _spy(monkeypatch)
+    starts = [0, 64, 1088, 4160, 4200]
+    cu = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(starts[-1], h, 64, device="cuda", dtype=torch.bfloat16).requires_grad_() for h in (4, 2, 2))
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, 3072, 3072, causal=True, return_attn_probs=True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    torch.autograd.backward((out, lse), (dout, dlse))
+    _check("aligned documents", (out, lse, q.grad, k.grad, v.grad), q, k, v, dout, dlse, True, cu_seqlens=(cu, cu))
+    assert calls == ["_hopper_forward", "_hopper_dkdv"]
+
+
+@hopper
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+def test_gqa_model_layout_and_split_grid(deterministic, monkeypatch):
+    """GQA 8/2 in a model's layout on a length that ends inside a tile; then the same call with its (batch, head)
+    programs split over the grid's y and z (a tiny y limit standing in for CUDA's 65535): the same bits."""
+    calls = _spy(monkeypatch)
+    shapes = [(3, h, 1000, 128) for h in (8, 2, 2)]
+    leaves = [torch.randn(s, device="cuda", dtype=torch.bfloat16).requires_grad_() for s in shapes]
+    q, k, v = (x.transpose(1, 2) for x in leaves)
+    dout = torch.randn(3, 1000, 8, 128, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        out, lse, _ = flash_attn_func(q, k, v, causal=True, deterministic=deterministic, return_attn_probs=True)
+        return out, lse, *torch.autograd.grad(out, leaves, dout)
+
+    first = run()
+    zeros = torch.zeros(3, 8, 1000, device="cuda")
+    _check("gqa model", (*first[:2], *(g.transpose(1, 2) for g in first[2:])), q, k, v, dout, zeros, True)
+    monkeypatch.setattr(triton_backend, "_GRID_Y", 8)
+    monkeypatch.setattr(triton_backend, "_PLANS", {})
+    split = run()
+    assert "_hopper_forward" in calls and "_hopper_dkdv" in calls
+    for a, b in zip(split, first, strict=True):
+        assert torch.equal(a, b) if deterministic else torch.allclose(a.float(), b.float(), atol=2e-2, rtol=0)
+
+
+@hopper
+def test_window_wider_than_the_sequence_on_the_gluon_kernels(monkeypatch):
+    """A causal window bound near 2**31 (clamped on the host) hides nothing on the Gluon path either."""
+    calls = _spy(monkeypatch)
+    q, k, v = (torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    wide = flash_attn_func(q, k, v, causal=True, window_size=(2**31 - 2, 0))
+    assert calls == ["_hopper_forward"]
+    assert torch.equal(wide, flash_attn_func(q, k, v, causal=True))
 
 
 @hopper
