@@ -53,7 +53,7 @@ def _scripted_timer(monkeypatch, order: list[str], times: dict[str, list[float]]
             taken.append(times[order[-1]].pop(0))
         return taken
 
-    monkeypatch.setattr(timing, "_timer", lambda device: time_all)
+    monkeypatch.setattr(timing, "device_timer", lambda device: time_all)
 
 
 def test_rounds_rotate_the_order_and_report_medians(monkeypatch):
@@ -107,7 +107,7 @@ def test_the_timer_takes_the_calls_in_turn():
     timing._in_turn(3, 3, taken.append)
     assert taken == [0, 1, 2, 1, 2, 0, 2, 0, 1]
     calls = []
-    ms = timing._timer(CPU)([lambda: calls.append("x"), lambda: calls.append("y")])
+    ms = timing.device_timer(CPU)([lambda: calls.append("x"), lambda: calls.append("y")])
     assert calls == ["x", "y", "x", "y", "y", "x", "x", "y"] and len(ms) == 2 and min(ms) >= 0
 
 
@@ -126,7 +126,7 @@ def test_an_error_the_timer_cannot_pin_on_a_call_fails_the_round(monkeypatch):
     def time_all(calls):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(timing, "_timer", lambda device: time_all)
+    monkeypatch.setattr(timing, "device_timer", lambda device: time_all)
     results = timing.run_case(CASE, ["a", "b"], CPU, modes=("fwd",), rounds=2)
     assert all(r.unavailable == "RuntimeError: CUDA error: an illegal memory access was encountered" for r in results)
     assert not any(r.ms for r in results)
@@ -137,7 +137,7 @@ def test_the_timer_names_the_call_that_failed():
         raise ValueError("no")
 
     with pytest.raises(timing._CallFailed) as failed:
-        timing._timer(CPU)([lambda: None, fails])
+        timing.device_timer(CPU)([lambda: None, fails])
     assert failed.value.index == 1 and isinstance(failed.value.error, ValueError)
 
 
@@ -145,7 +145,7 @@ def test_the_timer_names_the_call_that_failed():
 def test_the_gpu_timer_times_each_call():
     """Interleaved on the GPU, a call with 8x the work takes several times as long as the other."""
     x = torch.randn(2048, 2048, device="cuda")
-    small, large = timing._timer(torch.device("cuda"))([lambda: x @ x, lambda: [x @ x for _ in range(8)]])
+    small, large = timing.device_timer(torch.device("cuda"))([lambda: x @ x, lambda: [x @ x for _ in range(8)]])
     assert small > 0 and large > 4 * small
 
 
