@@ -63,6 +63,7 @@ class UserCase:
         heads = f"h{self.heads}" + (f"/{self.heads_k}" if self.heads_k != self.heads else "")
         start = f"docs{len(self.documents)}" if self.documents else f"b{self.batch}"
         tail = ("-causal" if self.causal else "") + ("-model" if self.layout == "model" else "")
+        tail += "" if self.measure == "time" else f"-{self.measure}"  # a host or memory case shares a time case's shape
         return f"{start}-n{self.seqlen}-{heads}-d{self.head_dim}{tail}"
 
     def flops(self, mode: str) -> float:
