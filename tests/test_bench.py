@@ -1,10 +1,13 @@
 """flashtriton bench's timing protocol: providers timed in rounds, the order rotated, their calls taken in turn,
 medians reported, a provider that fails reported as unavailable; --resume refuses a run measured another way;
-the sweep's choices per device, the progress line and the summary."""
+the sweep's choices per device, the progress line and the summary; the users suite's cases, its CPU run, its parts,
+host timer and memory ratios."""
 
 import argparse
 import importlib.util
 import io
+import itertools
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -13,9 +16,9 @@ import pytest
 import torch
 
 from flashtriton import autotune
-from flashtriton.bench import cli, progress, summary, timing
-from flashtriton.bench.cases import MODES, Case, Result, attach_ratios, attention_flops
-from flashtriton.bench.results import environment, resumable, write_json
+from flashtriton.bench import cli, progress, summary, timing, users, users_calls
+from flashtriton.bench.cases import MODES, OURS, Case, Result, attach_ratios, attention_flops
+from flashtriton.bench.results import environment, load_results, resumable, write_json
 
 CASE = Case(1, 8, 2, 16, False, "float32")
 CPU = torch.device("cpu")
@@ -53,7 +56,7 @@ def _scripted_timer(monkeypatch, order: list[str], times: dict[str, list[float]]
             taken.append(times[order[-1]].pop(0))
         return taken
 
-    monkeypatch.setattr(timing, "_timer", lambda device: time_all)
+    monkeypatch.setattr(timing, "device_timer", lambda device: time_all)
 
 
 def test_rounds_rotate_the_order_and_report_medians(monkeypatch):
@@ -107,7 +110,7 @@ def test_the_timer_takes_the_calls_in_turn():
     timing._in_turn(3, 3, taken.append)
     assert taken == [0, 1, 2, 1, 2, 0, 2, 0, 1]
     calls = []
-    ms = timing._timer(CPU)([lambda: calls.append("x"), lambda: calls.append("y")])
+    ms = timing.device_timer(CPU)([lambda: calls.append("x"), lambda: calls.append("y")])
     assert calls == ["x", "y", "x", "y", "y", "x", "x", "y"] and len(ms) == 2 and min(ms) >= 0
 
 
@@ -126,7 +129,7 @@ def test_an_error_the_timer_cannot_pin_on_a_call_fails_the_round(monkeypatch):
     def time_all(calls):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(timing, "_timer", lambda device: time_all)
+    monkeypatch.setattr(timing, "device_timer", lambda device: time_all)
     results = timing.run_case(CASE, ["a", "b"], CPU, modes=("fwd",), rounds=2)
     assert all(r.unavailable == "RuntimeError: CUDA error: an illegal memory access was encountered" for r in results)
     assert not any(r.ms for r in results)
@@ -137,7 +140,7 @@ def test_the_timer_names_the_call_that_failed():
         raise ValueError("no")
 
     with pytest.raises(timing._CallFailed) as failed:
-        timing._timer(CPU)([lambda: None, fails])
+        timing.device_timer(CPU)([lambda: None, fails])
     assert failed.value.index == 1 and isinstance(failed.value.error, ValueError)
 
 
@@ -145,7 +148,7 @@ def test_the_timer_names_the_call_that_failed():
 def test_the_gpu_timer_times_each_call():
     """Interleaved on the GPU, a call with 8x the work takes several times as long as the other."""
     x = torch.randn(2048, 2048, device="cuda")
-    small, large = timing._timer(torch.device("cuda"))([lambda: x @ x, lambda: [x @ x for _ in range(8)]])
+    small, large = timing.device_timer(torch.device("cuda"))([lambda: x @ x, lambda: [x @ x for _ in range(8)]])
     assert small > 0 and large > 4 * small
 
 
@@ -316,3 +319,204 @@ def test_the_summary_drops_peers_that_never_ran_and_groups_what_was_unavailable(
         "unavailable: standard on d16-n32: N x N scores too large",
     ]
     assert summary.first_calls(results).endswith("flashtriton 4.00 s (d16-n32), standard 0.50 s (d16-n8)")
+
+
+def _group(cases, group):
+    return [c for c in cases if c.group == group]
+
+
+def test_the_users_suite_lists_every_item():
+    """Each item of the suite is in the GPU list with its shapes, modes and peers: dropping one fails here."""
+    cases = users.gpu_cases()
+    both, peers = {"fwd", "fwd_bwd"}, lambda c: set(c.providers)
+    assert len({c.name for c in cases}) == len(cases)
+
+    layout = _group(cases, "layout")
+    assert {(c.batch, c.seqlen, c.layout) for c in layout} == {
+        (b, n, layout) for b, n in ((1, 8192), (4, 2048)) for layout in ("model", "contiguous")
+    }
+    for c in layout:
+        assert (c.heads, c.heads_k, c.head_dim, c.causal) == (16, 4, 128, True) and set(c.modes) == both
+        assert peers(c) == {OURS, "sdpa-cudnn", "sdpa-cudnn-view"}
+
+    lengths = _group(cases, "lengths")
+    ragged, whole = (1000, 3000, 4000, 8000, 15000), (1024, 3072, 4096, 8192, 16384)
+    assert sorted((c.seqlen, c.head_dim, c.causal) for c in lengths) == sorted(
+        itertools.product(ragged + whole, (64, 128, 256), (False, True))
+    )
+    for c in lengths:
+        assert abs(c.batch * c.seqlen - 16384) < c.seqlen and c.heads * c.head_dim == 2048 and c.heads == c.heads_k
+        assert set(c.modes) == both and peers(c) == {OURS, "sdpa-cudnn", "flex"}
+    for inside, tiles in zip(ragged, whole, strict=True):  # neighbours in the table
+        i = [c.seqlen for c in lengths].index(inside)
+        assert lengths[i + 1].seqlen == tiles and lengths[i + 1].head_dim == lengths[i].head_dim
+
+    (documents,) = _group(cases, "documents")
+    assert len(documents.documents) == 8 and sum(documents.documents) == documents.seqlen == 16384
+    assert len(set(documents.documents)) == 8 and any(n % 128 for n in documents.documents)  # ragged
+    assert (documents.heads, documents.head_dim, documents.causal) == (16, 128, True)
+    assert set(documents.modes) == both and peers(documents) == {OURS, "flex"}
+
+    for n, d, causal in itertools.product((512, 1024), (64, 128, 256), (False, True)):
+        assert any(
+            (c.seqlen, c.head_dim, c.causal, c.batch * c.seqlen, c.measure) == (n, d, causal, 16384, "time")
+            and "fwd_bwd" in c.modes
+            and "sdpa-cudnn" in c.providers
+            for c in cases
+        ), (n, d, causal)
+
+    (gqa,) = _group(cases, "gqa")
+    assert (gqa.heads, gqa.heads_k, gqa.head_dim, gqa.seqlen, gqa.causal) == (32, 8, 128, 4096, True)
+    assert set(gqa.modes) == both
+
+    host = _group(cases, "host")
+    assert all(c.measure == "host" and set(c.modes) == both and peers(c) == {OURS, "sdpa-cudnn"} for c in host)
+    shapes = {(c.batch, c.seqlen, c.heads, c.head_dim) for c in host}
+    assert (1, 128, 1, 64) in shapes and any(n <= 1024 and b * n == 16384 for b, n, _, _ in shapes)
+
+    memory = _group(cases, "memory")
+    assert sorted(c.batch * c.seqlen for c in memory) == [16384, 131072]
+    for c in memory:
+        assert (c.measure, c.batch, c.heads, c.head_dim, c.causal, c.modes) == (
+            "memory",
+            1,
+            16,
+            128,
+            True,
+            ("fwd_bwd",),
+        )
+        assert peers(c) == {OURS, "sdpa-cudnn"}
+
+    assert [c.group for c in users.first_of_each_group(cases)] == list(users.GROUPS)
+    assert {c.group for c in users.cpu_cases()} == set(users.GROUPS)
+
+
+def _users_run(tmp_path, monkeypatch, *argv) -> dict:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "users"
+    assert cli.run(_options("--suite", "users", "--rounds", "1", "--out", str(out), *argv)) == 0
+    return json.loads((out / "results.json").read_text())
+
+
+def test_the_users_suite_on_a_cpu_writes_results_and_a_table(tmp_path, monkeypatch, capsys):
+    payload = _users_run(tmp_path, monkeypatch)
+    out, err = capsys.readouterr()
+    assert "no CUDA GPU: a tiny case of each users group, float32" in err
+    assert payload["complete"] and payload["device"] == "cpu" and payload["sweep"]["suite"] == "users"
+    assert payload["environment"]["torch"] == torch.__version__ and "ratios" in payload["definitions"]
+    _, results = load_results(str(tmp_path / "users" / "results.json"))
+    cases = users.cpu_cases()
+    assert [r.case for r in results if r.provider == OURS] == cases  # read back as the suite's records
+    by = {(r.case, r.provider): r for r in results}
+    for r in results:
+        if r.provider in users_calls.USERS_GPU_ONLY:
+            assert r.unavailable == "needs a CUDA GPU" and not r.ms
+            continue
+        assert r.unavailable is None and r.max_error < 1e-4, r  # each layout's output read back as (B, N, H, D)
+        timed = () if r.case.measure == "memory" else r.case.modes
+        assert set(r.ms) == set(timed) and all(ms > 0 for ms in r.ms.values())
+        assert set(r.tflops) == (set(timed) if r.case.measure == "time" else set())
+        if r.provider == OURS and (r.case, "sdpa") in by and timed:
+            sdpa = by[r.case, "sdpa"]
+            assert r.ratios["sdpa"] == pytest.approx({m: sdpa.ms[m] / r.ms[m] for m in timed})
+
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("group"))
+    assert lines[start].split()[-1] == "sdpa" and "flex" not in lines[start]  # no column for a peer that never ran
+    expected = [(c.group, c.name, m) for c in cases for m in c.modes]
+    rows = [line.split() for line in lines[start + 1 : start + 1 + len(expected)]]
+    assert [tuple(row[:3]) for row in rows] == expected
+    units = {"time": "ms", "host": "us", "memory": "MiB"}
+    assert [row[4] for row in rows] == [units[c.measure] for c in cases for _ in c.modes]
+    assert any(line.startswith("unavailable: flex on ") for line in lines)
+
+
+def test_users_parts_resume_into_one_results_json(tmp_path, monkeypatch):
+    first = _users_run(tmp_path, monkeypatch, "--part", "1/2")
+    assert not first["complete"] and first["part"] == "1/2" and first["results"]
+    second = _users_run(tmp_path, monkeypatch, "--part", "2/2", "--resume", str(tmp_path / "users" / "results.json"))
+    assert second["complete"]
+    ours = [r["case"] for r in second["results"] if r["provider"] == OURS]
+    assert ours == [json.loads(json.dumps(c.__dict__)) for c in users.cpu_cases()]
+    assert all(r in second["results"] for r in first["results"])  # the first part's rows kept as measured
+
+
+def test_parts_cover_the_suite_once_and_keep_a_length_beside_its_neighbour():
+    cases = users.gpu_cases()
+    assert cli.part_of(cases, None) == cases
+    for n in (1, 2, 3):
+        parts = [cli.part_of(cases, (k, n)) for k in range(1, n + 1)]
+        assert [c for part in parts for c in part] == cases and all(parts)
+        for part in parts:
+            lengths = [(c.head_dim, c.causal, c.seqlen) for c in _group(part, "lengths")]
+            for d, causal, (inside, tiles) in itertools.product((64, 128, 256), (False, True), users.LENGTHS):
+                assert ((d, causal, inside) in lengths) == ((d, causal, tiles) in lengths)
+    assert _options("--part", "2/3").part == (2, 3)
+    for bad in ("0/2", "3/2", "1", "a/b"):
+        with pytest.raises(SystemExit):
+            _options("--part", bad)
+
+
+def test_the_users_suite_refuses_the_paper_sweeps_shape_flags(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for flags in (["--seqlens", "128"], ["--causal", "yes"], ["--modes", "fwd"], ["--head-dims", "64"]):
+        with pytest.raises(SystemExit, match=f"chooses its own shapes and modes .*: drop {flags[0]}"):
+            cli.run(_options("--suite", "users", "--out", str(tmp_path), *flags))
+    with pytest.raises(SystemExit, match="--providers sdpa-cudnn-view: only in --suite users"):
+        cli.run(_options("--providers", "sdpa-cudnn-view", "--out", str(tmp_path)))
+    suite = cli.users_suite(_options("--suite", "users", "--providers", OURS, "standard"), CPU)
+    assert suite.notes[0] == "not in the users suite, so not run: standard"
+    assert all(suite.providers_of(c) == [OURS] for c in suite.cases)
+
+
+def test_the_host_timer_times_blocks_of_calls_in_turn(monkeypatch):
+    """A block of calls then one synchronize, per-call milliseconds, the calls' blocks taken in turn."""
+    monkeypatch.setattr(timing, "CPU_HOST_CALLS", 4)
+    clock, taken = [0.0], []
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+
+    def call(name, seconds):
+        def run():
+            taken.append(name)
+            clock[0] += seconds
+
+        return run
+
+    ms = timing.host_timer(CPU)([call("a", 1e-3), call("b", 3e-3)])
+    assert ms == pytest.approx([1.0, 3.0])
+    blocks = ["a", "b", "b", "a", "a", "b"][: 2 * timing.HOST_PASSES]
+    assert taken == ["a", "b"] + [name for name in blocks for _ in range(4)]
+
+
+def test_memory_cases_report_peak_ratios():
+    case = _group(users.gpu_cases(), "memory")[0]
+    ours = Result(case, OURS, peak_extra_mib=100.0, max_error=1e-3, first_call_s=1.0)
+    peer = Result(case, "sdpa-cudnn", peak_extra_mib=250.0, max_error=1e-3, first_call_s=0.1)
+    users_calls.attach_users_ratios([ours, peer])
+    assert ours.ratios == {"sdpa-cudnn": {"peak_extra_mib": 2.5}}
+    table = summary.format_users_table([ours, peer]).splitlines()
+    assert table[1].split() == ["memory", case.name, "fwd_bwd", "100.0", "MiB", "1.0e-03", "2.50"]
+
+
+def test_users_inputs_reach_flashtriton_in_the_cases_layout(monkeypatch):
+    """A model's layout: (B, N, H, D) views of (B, H, N, D) storage; documents: packed, with their offsets; fwd_bwd:
+    fresh gradients of the leaves, none accumulated."""
+    seen = []
+    for name in ("flash_attn_func", "flash_attn_varlen_func"):
+        real = getattr(users_calls, name)
+        monkeypatch.setattr(users_calls, name, lambda *a, real=real, **kw: seen.append(a) or real(*a, **kw))
+    model, contiguous = _group(users.cpu_cases(), "layout")
+    for case in (model, contiguous):
+        trial = users_calls.UserTrial(Result(case, OURS), CPU)
+        assert trial.prepare(case.modes)
+        q, k, _ = seen[-1]
+        assert q.shape == (case.batch, case.seqlen, case.heads, case.head_dim) and k.shape[2] == case.heads_k
+        assert q.transpose(1, 2).is_contiguous() == (case is model) and q.is_contiguous() == (case is contiguous)
+        grads = trial.call("fwd_bwd")()
+        assert [g.shape for g in grads] == [x.shape for x in trial.leaves] and all(x.grad is None for x in trial.leaves)
+    (documents,) = _group(users.cpu_cases(), "documents")
+    assert users_calls.UserTrial(Result(documents, OURS), CPU).prepare(documents.modes)
+    q, _, _, cu_seqlens_q, _, longest, _ = seen[-1]
+    assert q.shape == (documents.seqlen, documents.heads, documents.head_dim)
+    assert cu_seqlens_q.tolist() == [0, *itertools.accumulate(documents.documents)]
+    assert longest == max(documents.documents)

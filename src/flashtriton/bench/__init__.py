@@ -1,11 +1,20 @@
 """``flashtriton bench``: flashtriton against its peers, every provider in the same run.
 
+Two suites (--suite). paper, the default: the FlashAttention-2 paper's sweep (batch * seqlen = 16k tokens, heads *
+head_dim = 2048), fwd / bwd / fwd+bwd against SDPA's backends, FlexAttention, standard attention and flash_attn.
+users: what users bring (bench/users.py lists it): a model's (B, H, N, D) storage seen as (B, N, H, D) beside
+contiguous inputs, lengths ending inside a tile beside their whole-tile neighbours, ragged documents (varlen against
+FlexAttention's document mask), short N, GQA, host time per call and peak memory, against cuDNN SDPA and
+FlexAttention; fwd and fwd+bwd with fresh gradients. On a GPU it is about 80 cases, estimated at 10 minutes, most
+of them FlexAttention's compiles: --part 1/2, then --part 2/2 --resume, splits it; on a CPU, a tiny case of each
+group.
+
 FLOPs (one formula, the FlashAttention-2 paper's): forward 4 * B * H * N_Q * N_K * D, halved when causal;
 backward 2.5x the forward, so forward+backward 3.5x. Each case runs on random inputs in rounds, the
 providers' order rotated, and reports the median of the rounds (run_case); within a round the providers'
-calls are timed one of each in turn (_timer), so that all of them see the same clock state. Writes
-``results.json`` (rewritten after every case, so a run cut short still leaves what it measured) and
-``bench.png`` (with matplotlib: the ``[bench]`` extra), a TFLOP/s-against-seqlen panel per (head dim, causal,
+calls are timed one of each in turn (device_timer), so that all of them see the same clock state. Writes
+``results.json`` (rewritten after every case, so a run cut short still leaves what it measured) and, for the paper
+sweep, ``bench.png`` (with matplotlib: the ``[bench]`` extra), a TFLOP/s-against-seqlen panel per (head dim, causal,
 mode). ``--resume`` continues a run that was cut short (a device's time limit) from its results.json.
 """
 

@@ -1,4 +1,5 @@
-"""A case of the sweep, a provider's result on it, the FLOP count and the ratios to our results."""
+"""A case of the paper sweep or of the users suite, a provider's result on it, the FLOP count and the ratios to our
+results."""
 
 from __future__ import annotations
 
@@ -26,10 +27,56 @@ class Case:
     def name(self) -> str:
         return f"d{self.head_dim}{'-causal' if self.causal else ''}-n{self.seqlen}"
 
+    def flops(self, mode: str) -> float:
+        return attention_flops(self.batch, self.heads, self.seqlen, self.seqlen, self.head_dim, self.causal, mode)
+
+
+@dataclass(frozen=True)
+class UserCase:
+    """A case of the users suite (users.py): a shape, how its inputs are laid out, what is measured and by whom.
+
+    layout "model": q, k, v are (B, N, H, D) views of (B, H, N, D) storage, as transformers hands them over;
+    "contiguous": (B, N, H, D) tensors. documents: the lengths of a packed batch (summing to seqlen, batch 1),
+    each attending within itself. measure "time": device ms per call; "host": wall ms per call over many calls
+    and one synchronize; "memory": the allocator's peak in one fwd+bwd, not timed."""
+
+    group: str
+    batch: int
+    seqlen: int
+    heads: int
+    heads_k: int
+    head_dim: int
+    causal: bool
+    modes: tuple[str, ...]
+    providers: tuple[str, ...]
+    layout: str = "contiguous"
+    documents: tuple[int, ...] = ()
+    measure: str = "time"
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:  # read back from JSON, the tuples are lists
+        for name in ("modes", "providers", "documents"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    @property
+    def name(self) -> str:
+        heads = f"h{self.heads}" + (f"/{self.heads_k}" if self.heads_k != self.heads else "")
+        start = f"docs{len(self.documents)}" if self.documents else f"b{self.batch}"
+        tail = ("-causal" if self.causal else "") + ("-model" if self.layout == "model" else "")
+        tail += "" if self.measure == "time" else f"-{self.measure}"  # a host or memory case shares a time case's shape
+        return f"{start}-n{self.seqlen}-{heads}-d{self.head_dim}{tail}"
+
+    def flops(self, mode: str) -> float:
+        lengths = self.documents or (self.seqlen,) * self.batch
+        return sum(attention_flops(1, self.heads, n, n, self.head_dim, self.causal, mode) for n in lengths)
+
+
+CASE_TYPES = {"paper": Case, "users": UserCase}  # results.json's sweep.suite -> its cases' record
+
 
 @dataclass
 class Result:
-    case: Case
+    case: Case | UserCase
     provider: str
     ms: dict[str, float] = field(default_factory=dict)
     ms_rounds: dict[str, list[float]] = field(default_factory=dict)

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from .cases import Case, attention_flops
+from .cases import Case
 
 
 def case_weights(cases: list[Case], device: torch.device) -> list[float]:
@@ -16,7 +16,7 @@ def case_weights(cases: list[Case], device: torch.device) -> list[float]:
     time-boxed, so cases cost about alike; on a CPU a case's time follows its FLOPs."""
     if device.type == "cuda":
         return [1.0] * len(cases)
-    return [attention_flops(c.batch, c.heads, c.seqlen, c.seqlen, c.head_dim, c.causal, "fwd") for c in cases]
+    return [c.flops("fwd") for c in cases]
 
 
 def _clock(seconds: float) -> str:

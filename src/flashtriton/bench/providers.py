@@ -29,14 +29,21 @@ def _sdpa(backend_name: str):
     return make
 
 
-def _flex(q, k, v, causal):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def compiled_flex() -> Callable:
+    """flex_attention compiled for static shapes: each case compiles for its own shape, as a user with one shape
+    gets it (by default dynamo recompiles with dynamic shapes from the second shape on, which times another
+    kernel)."""
+    from torch.nn.attention.flex_attention import flex_attention
 
-    # Static shapes: each case compiles for its own shape, as a user with one shape gets it (by default
-    # dynamo recompiles with dynamic shapes from the second shape on, which times another kernel).
     torch._dynamo.config.recompile_limit = 1000
     torch._functorch.config.donated_buffer = False  # the "bwd" mode calls backward(retain_graph=True)
-    compiled = torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(q, k, v, causal):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    compiled = compiled_flex()
     mask = None
     if causal:
         offset = k.shape[1] - q.shape[1]

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .. import autotune
-from .cases import OURS, Case, Result
+from .cases import CASE_TYPES, OURS, Result
 
 SCHEMA = "flashtriton-bench/3"
 PACKAGE = Path(__file__).parents[1]  # flashtriton: the git commands' folder
@@ -88,26 +88,34 @@ def load_results(path: str) -> tuple[dict, list[Result]]:
     """A results.json back as (its header, its results)."""
     with open(path) as f:
         payload = json.load(f)
-    results = [Result(**{**r, "case": Case(**r["case"])}) for r in payload.pop("results")]
+    case_type = CASE_TYPES[payload.get("sweep", {}).get("suite", "paper")]  # runs from before suites: the paper's
+    results = [Result(**{**r, "case": case_type(**r["case"])}) for r in payload.pop("results")]
     return payload, results
 
 
-def resumable(path: str, env: dict, sweep: dict, cases) -> tuple[dict, list[Result]]:
-    """The cases of an earlier, cut-short run that every provider finished, if it measured the same source
-    on the same GPU and software in the same way (runs write whole cases; a case that files from before
-    rounds left half done is measured again, so peers share a run)."""
+def resumable(path: str, env: dict, sweep: dict, cases, providers_of=None) -> tuple[dict, list[Result]]:
+    """The cases of an earlier, cut-short run that every provider finished (``providers_of(case)``, default the
+    sweep's providers), if it measured the same suite of the same source on the same GPU and software in the same
+    way (runs write whole cases; a case that files from before rounds left half done is measured again, so peers
+    share a run)."""
     header, earlier = load_results(path)
-    providers = sweep["providers"]
-    mine = {**env, "modes": sweep["modes"], "rounds": sweep["rounds"], "timing": sweep["timing"]}
+    providers_of = providers_of or (lambda case: sweep["providers"])
+    mine = {**env, "suite": sweep.get("suite", "paper"), **{key: sweep[key] for key in ("modes", "rounds", "timing")}}
     theirs = {"autotune": False, **header["environment"]}  # runs from before the field did not tune
-    old = header["sweep"]  # runs from before the fields: one round, providers timed in blocks
-    theirs.update(modes=old["modes"], rounds=old.get("rounds", 1), timing=old.get("timing", "blocks"))
-    for key in ("source_digest", "gpu", "driver", "torch", "triton", "autotune", "modes", "rounds", "timing"):
+    old = header["sweep"]  # runs from before the fields: the paper suite, one round, providers timed in blocks
+    theirs.update(
+        suite=old.get("suite", "paper"),
+        modes=old["modes"],
+        rounds=old.get("rounds", 1),
+        timing=old.get("timing", "blocks"),
+    )
+    keys = ("suite", "source_digest", "gpu", "driver", "torch", "triton", "autotune", "modes", "rounds", "timing")
+    for key in keys:
         if theirs.get(key) != mine.get(key):
             raise SystemExit(f"--resume {path}: its {key} is {theirs.get(key)!r}, this run's {mine.get(key)!r}")
     kept = []
     for case in cases:
         rows = {r.provider: r for r in earlier if r.case == case}
-        if all(p in rows for p in providers):
-            kept += [rows[p] for p in providers]
+        if all(p in rows for p in providers_of(case)):
+            kept += [rows[p] for p in providers_of(case)]
     return header["environment"], kept

@@ -34,6 +34,41 @@ TABLE_LEGEND = (
 )
 
 
+def _measured(r: Result) -> list[tuple[str, str, str, str]]:
+    """A users-suite result's rows: (mode, our value with its unit, TFLOP/s, the ratios' key)."""
+    if r.case.measure == "memory":
+        value = f"{r.peak_extra_mib:.1f} MiB" if r.peak_extra_mib is not None else "- MiB"
+        return [(mode, value, "", "peak_extra_mib") for mode in r.case.modes]
+    if r.case.measure == "host":
+        return [(m, f"{r.ms[m] * 1e3:.1f} us", "", m) for m in r.case.modes if m in r.ms]
+    return [(m, f"{r.ms[m]:.3f} ms", _tflops(r.tflops[m]), m) for m in r.case.modes if m in r.ms]
+
+
+def format_users_table(results: list[Result]) -> str:
+    """The users suite's table: a row per case and mode of ours (time: device ms; host: wall us per call; memory:
+    peak MiB), a column of ratios per peer that ran beside us on any case."""
+    ours = [r for r in results if r.provider == OURS and not r.unavailable]
+    peers = [p for p in dict.fromkeys(r.provider for r in results) if any(p in r.ratios for r in ours)]
+    header = f"{'group':<10}{'case':<36}{'mode':<9}{OURS:>13}{'TFLOP/s':>9}{'max err':>10}"
+    lines = [header + "".join(f"{'x ' + p:>17}" for p in peers)]
+    for r in ours:
+        for mode, value, tflops, key in _measured(r):
+            ratios = [r.ratios.get(p, {}).get(key) for p in peers]
+            row = f"{r.case.group:<10}{r.case.name:<36}{mode:<9}{value:>13}{tflops:>9}{r.max_error:>10.1e}"
+            lines.append(row + "".join(f"{x:>17.2f}" if x else f"{'-':>17}" for x in ratios))
+    return "\n".join(lines)
+
+
+USERS_LEGEND = (
+    f"{OURS}: ms, a call's device time (median; L2 flushed before each call, every provider's calls in turn); us,\n"
+    "wall time per call over blocks of calls with one synchronize (host cases); MiB, the allocator's peak in one\n"
+    "fwd_bwd beyond the inputs (memory cases). fwd_bwd takes fresh gradients (torch.autograd.grad).\n"
+    f"x peer: peer / {OURS} (above 1: {OURS} is faster or smaller). sdpa-cudnn: cuDNN SDPA on contiguous\n"
+    f"(B, H, N, D) copies; sdpa-cudnn-view: cuDNN SDPA on {OURS}'s own tensors seen as (B, H, N, D); flex:\n"
+    "FlexAttention compiled for the shape, the case's block mask; sdpa: SDPA's own choice (CPU runs)"
+)
+
+
 def first_calls(results: list[Result]) -> str:
     """Each provider's slowest first call (compile included) over the cases, on one line."""
     timed = [r for r in results if r.first_call_s is not None]

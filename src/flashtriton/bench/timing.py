@@ -1,5 +1,6 @@
 """Timing one case: each provider's first call, error and memory, then rounds in which the providers' calls are
-timed in turn (CUDA: each after an L2 flush, events around it; CPU: perf_counter), the medians over the rounds."""
+timed in turn (CUDA: each after an L2 flush, events around it; CPU: perf_counter; host time: wall clock over blocks
+of calls), the medians over the rounds."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from typing import Any
 import torch
 
 from ..reference import attention_reference
-from .cases import MODES, Case, Result, attention_flops
+from .cases import MODES, Case, Result
 from .providers import GPU_ONLY, PROVIDERS
 
-TIMING = "in turn"  # how a round times its providers (_timer); runs from before timed each in a block
+TIMING = "in turn"  # how a round times its providers (device_timer); runs from before timed each in a block
+HOST_CALLS = 200  # calls per host-time block on a GPU, one synchronize after the block
+CPU_HOST_CALLS = 10  # on a CPU each call finishes before it returns: a short block does
+HOST_PASSES = 3  # blocks per provider in a round of host time
 
 
 class _CallFailed(Exception):
@@ -44,7 +48,7 @@ def _in_turn(n: int, passes: int, take: Callable[[int], Any]) -> list[list]:
     return taken
 
 
-def _timer(device: torch.device) -> Callable[[list[Callable]], list[float]]:
+def device_timer(device: torch.device) -> Callable[[list[Callable]], list[float]]:
     """``time_all(calls)``: each call's median milliseconds, the calls timed one of each in turn rather than one
     after another in blocks: a GPU at its power cap drifts in clock under load, and a block's place in a round
     then decided its time by up to 10%. Raises _CallFailed for a call that raises."""
@@ -61,6 +65,36 @@ def _cpu_in_turn(calls: list[Callable]) -> list[float]:
         return (time.perf_counter() - start) * 1e3
 
     return [statistics.median(ms) for ms in _in_turn(len(calls), 3, timed)]
+
+
+def host_calls(device: torch.device) -> int:
+    return HOST_CALLS if device.type == "cuda" else CPU_HOST_CALLS
+
+
+def host_timer(device: torch.device) -> Callable[[list[Callable]], list[float]]:
+    """``time_all(calls)``: each call's median wall milliseconds per call over blocks of host_calls(device) calls
+    with no synchronize between them, one after the block: where the device keeps up, the host's time per call. The
+    calls are taken block by block in turn. Raises _CallFailed for a call that raises."""
+    block_calls = host_calls(device)
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def time_all(calls: list[Callable]) -> list[float]:
+        def block(i):
+            synchronize()
+            start = time.perf_counter()
+            for _ in range(block_calls):
+                _call(calls, i)
+            synchronize()
+            return (time.perf_counter() - start) * 1e3 / block_calls
+
+        for i in range(len(calls)):
+            _call(calls, i)
+        return [statistics.median(ms) for ms in _in_turn(len(calls), HOST_PASSES, block)]
+
+    return time_all
 
 
 def _cuda_in_turn(calls: list[Callable], warmup_ms: float = 25.0, rep_ms: float = 100.0) -> list[float]:
@@ -98,11 +132,15 @@ def _failure(exc: Exception) -> str:
 
 def run_case(case: Case, providers, device: torch.device, modes=MODES, rounds: int = 1) -> list[Result]:
     """Every provider on one case: each one's first call, error and memory, then ``rounds`` timing rounds of
-    each mode, the providers timed together (_timer), the first of them rotated from round to round. A mode's ms
-    is the median over the rounds."""
-    trials = [_Trial(Result(case, p), device) for p in providers]
+    each mode, the providers timed together (device_timer), the first of them rotated from round to round. A mode's
+    ms is the median over the rounds."""
+    return run_trials([Trial(Result(case, p), device) for p in providers], device, modes, rounds, device_timer)
+
+
+def run_trials(trials: list[Trial], device: torch.device, modes, rounds: int, timer) -> list[Result]:
+    """run_case's rounds on trials made elsewhere, timed by ``timer(device)``; no modes: first calls only."""
     live = [t for t in trials if t.prepare(modes)]
-    time_all = _timer(device)
+    time_all = timer(device)
     for r in range(rounds):
         shift = r * len(live) // rounds
         for mode in modes:
@@ -114,7 +152,7 @@ def run_case(case: Case, providers, device: torch.device, modes=MODES, rounds: i
     return [t.result for t in trials]
 
 
-def _time_round(time_all, trials: list[_Trial], mode: str) -> None:
+def _time_round(time_all, trials: list[Trial], mode: str) -> None:
     """One round of ``mode`` for the trials still available, timed together; a provider that fails is reported
     unavailable and the others are timed again without it. An error the timer cannot pin on one call (the GPU's,
     found at a synchronize) is reported for all of them."""
@@ -138,8 +176,10 @@ def _time_round(time_all, trials: list[_Trial], mode: str) -> None:
         return
 
 
-class _Trial:
+class Trial:
     """One provider on one case: its inputs and forward callable, and its timings round by round."""
+
+    gpu_only = GPU_ONLY  # providers reported unavailable without a CUDA GPU
 
     def __init__(self, result: Result, device: torch.device):
         self.result, self.device = result, device
@@ -148,7 +188,7 @@ class _Trial:
     def prepare(self, modes) -> bool:
         """First call (compile included), error and peak memory; False if the provider is unavailable."""
         result, device = self.result, self.device
-        if result.provider in GPU_ONLY and device.type != "cuda":
+        if result.provider in self.gpu_only and device.type != "cuda":
             result.unavailable = "needs a CUDA GPU"
         elif result.provider == "standard" and not _standard_fits(result.case, device):
             result.unavailable = "N x N scores too large"
@@ -170,8 +210,8 @@ class _Trial:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.result.first_call_s = time.perf_counter() - start
-        self.result.max_error = _forward_error(out, q, k, v, case.causal)
-        self.result.peak_extra_mib = _peak_extra_mib(self.fwd, self.grad, self.device)
+        self.result.max_error = forward_error(out, q, k, v, case.causal)
+        self.result.peak_extra_mib = peak_extra_mib(lambda: self.fwd().backward(self.grad), self.device)
 
     def call(self, mode: str) -> Callable | None:
         """What one timed call of ``mode`` runs (bwd: a backward through a graph kept from one forward now, so a
@@ -188,20 +228,23 @@ class _Trial:
 
     def fail(self, exc: Exception) -> None:
         self.result.unavailable = _failure(exc)
+        self._drop()
+
+    def _drop(self) -> None:
+        """Lets go of the inputs (the callables hold them)."""
         self.fwd = self.grad = None
 
     def finish(self) -> None:
         """The medians over the rounds; drops the inputs."""
         result = self.result
-        self.fwd = self.grad = None
+        self._drop()
         if result.unavailable is not None:
             return
         case = result.case
         for mode, times in self.rounds.items():
             result.ms[mode] = statistics.median(times)
             result.ms_rounds[mode] = times
-            flops = attention_flops(case.batch, case.heads, case.seqlen, case.seqlen, case.head_dim, case.causal, mode)
-            result.tflops[mode] = flops / (result.ms[mode] * 1e-3) / 1e12
+            result.tflops[mode] = case.flops(mode) / (result.ms[mode] * 1e-3) / 1e12
 
     @contextlib.contextmanager
     def _guard(self):
@@ -211,18 +254,23 @@ class _Trial:
             self.fail(exc)
 
 
-def _forward_error(out, q, k, v, causal) -> float:
-    one = [x[:1, :, :1].detach() for x in (q, k, v)]
-    ref, _ = attention_reference(*one, causal=causal, compute_dtype=torch.float32)
-    return (out[:1, :, :1].float() - ref).abs().max().item()
+def forward_error(out, q, k, v, causal, rows: int | None = None) -> float:
+    """Max abs difference from an fp32 reference on the first (batch, head): on its last ``rows`` queries (None:
+    all), which see every key they would see in the whole (masks align bottom-right), so N x N scores are not
+    needed."""
+    rows = rows or q.shape[1]
+    k1, v1 = (x[:1, :, :1].detach() for x in (k, v))
+    ref, _ = attention_reference(q[:1, -rows:, :1].detach(), k1, v1, causal=causal, compute_dtype=torch.float32)
+    return (out[:1, -rows:, :1].float() - ref).abs().max().item()
 
 
-def _peak_extra_mib(fwd, grad, device) -> float | None:
+def peak_extra_mib(step: Callable[[], object], device) -> float | None:
+    """The allocator's peak during ``step()`` beyond what was allocated before it (CUDA only)."""
     if device.type != "cuda":
         return None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    fwd().backward(grad)
+    step()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated(device) - before) / 2**20
