@@ -206,17 +206,6 @@ class Bound:
         self.c_launch(*args)
 
 
-def _dense_strides(x: torch.Tensor) -> tuple[int, ...] | None:
-    """x's strides if its elements fill their span without gaps or overlaps (a permutation of a contiguous tensor's
-    dims), else None."""
-    expected = 1
-    for size, stride in sorted(zip(x.shape, x.stride(), strict=True), key=lambda dim: dim[1]):
-        if size != 1 and stride != expected:
-            return None
-        expected *= size
-    return tuple(x.stride())
-
-
 def _empty(shape: tuple[int, ...], strides: tuple[int, ...] | None, dtype: torch.dtype, device) -> torch.Tensor:
     if strides is None:
         return torch.empty(shape, dtype=dtype, device=device)
@@ -264,8 +253,13 @@ class Recorder:
         return x
 
     def empty_like(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """A new tensor in x's layout where x is dense (torch.empty_like's rule), else contiguous."""
-        return self.empty(name, x.shape, x.dtype, x.device, None if x.is_contiguous() else _dense_strides(x))
+        """A new tensor in x's layout where x is dense, else contiguous (torch.empty_like's rule); a replay
+        allocates it with the same strides."""
+        y = torch.empty_like(x)
+        self.allocations.append((name, tuple(y.shape), None if y.is_contiguous() else tuple(y.stride()), y.dtype,
+                                 y.device))  # fmt: skip
+        self.tensors[name] = y
+        return y
 
     def constant(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """x, a tensor that the plan may hold and pass to every call: one that depends on the layout alone and
