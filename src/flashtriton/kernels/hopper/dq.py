@@ -35,6 +35,7 @@ from .primitives import (
     head_program,
     in_band,
     key_tiles,
+    keys_before,
     mma_layout,
     operand_layout,
     outside_band,
@@ -102,9 +103,7 @@ def _dq_consumer(dq_out, q_smem, do_smem, kv_ring, q_bar, lse_ptr, rows_ptrs, o_
                 cols = first_col + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
                 p = gl.where(in_band(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), window_left, LEFT), p, 0.0)
         elif RAGGED:  # keys past the sequence (causal: the rows stored see none)
-            if first_col + BLOCK_N > n:
-                cols = first_col + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
-                p = gl.where(gl.expand_dims(cols < n, 0), p, 0.0)
+            p = keys_before(p, first_col, n, 0.0)
         dp = warpgroup_mma_wait(0, deps=(dp, do_smem, v))[0]
         ds = gl.convert_layout((p * (dp - delta)).to(dtype), a_layout)
         dq = warpgroup_mma(ds, k, dq, is_async=True)

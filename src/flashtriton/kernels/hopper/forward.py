@@ -40,6 +40,7 @@ from .primitives import (
     halves,
     in_band,
     key_tiles,
+    keys_before,
     mma_layout,
     operand_layout,
     outside_band,
@@ -86,9 +87,7 @@ def _online_softmax(scores, m_i, l_i, rows, first_row, first_col, n, qk_scale, w
             keep = in_band(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), window_left, LEFT)
             scores = gl.where(keep, scores, float("-inf"))
     elif RAGGED:
-        if first_col + BLOCK_N > n:
-            cols = first_col + gl.arange(0, BLOCK_N, gl.SliceLayout(0, scores.type.layout))
-            scores = gl.where(gl.expand_dims(cols < n, 0), scores, float("-inf"))
+        scores = keys_before(scores, first_col, n, float("-inf"))
     m_new = gl.maximum(m_i, _row_max(scores, TREE) * qk_scale)  # the scaled max: interface makes qk_scale > 0
     m_use = m_new
     if LEFT:  # a row may have seen no key yet: its window starts past this tile

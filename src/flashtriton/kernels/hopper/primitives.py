@@ -86,6 +86,16 @@ def in_band(rows, cols, window_left, LEFT: gl.constexpr):
 
 
 @gluon.jit
+def keys_before(x, first_col, n, fill):
+    """x (queries x keys, keys from first_col on) with the columns of keys at or past n set to fill, where the tile
+    reaches past n: a sequence that ends inside its last key tile."""
+    if first_col + x.shape[1] > n:
+        cols = first_col + gl.arange(0, x.shape[1], gl.SliceLayout(0, x.type.layout))
+        x = gl.where(gl.expand_dims(cols < n, 0), x, fill)
+    return x
+
+
+@gluon.jit
 def band_only(p_t, rows, keys, window_left, LEFT: gl.constexpr):
     """p_t (keys x queries) with its entries outside the causal band zeroed."""
     return gl.where(in_band(gl.expand_dims(rows, 0), gl.expand_dims(keys, 1), window_left, LEFT), p_t, 0.0)
