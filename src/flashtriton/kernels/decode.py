@@ -251,4 +251,4 @@ def decode_combine_kernel(
         b = r // (N_Q * H)
         i = r // H % N_Q
         h = r % H
-        tl.store(LSE + (b * H + h) * N_Q + i, tl.where(empty, empty_lse, m + tl.log(total)))
+        tl.store(LSE + (b * H + h) * N_Q + i, tl.where(empty, empty_lse, m + tl.log(tl.where(empty, 1.0, total))))
