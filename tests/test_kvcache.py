@@ -71,15 +71,23 @@ def _cases(tiny: bool) -> list[Case]:
         "gqa-3-window": replace(base, heads=6, heads_k=2, n_q=4, n_new=4, options=dict(window_size=(5, 2))),
         "mqa-softcap-scale": replace(base, heads_k=1, n_q=2, options=dict(softcap=2.0, softmax_scale=-0.4)),
         "alibi-causal": replace(base, alibi=True, n_q=3, n_new=1, options=dict(causal=True)),
-        "head-dim-40": replace(base, head_dim=40, rotary_dim=24, n_q=2, n_new=2, options=dict(causal=True)),
+        "head-dim-20": replace(base, head_dim=20, rotary_dim=12, n_q=2, n_new=2, options=dict(causal=True)),
+        "head-dim-256-bf16": replace(base, head_dim=256, heads=2, heads_k=1, n_q=2, dtype=torch.bfloat16),
+        # sequence 0's second new row lands past the cache: dropped; its second query's rotary position is past the
+        # cos / sin table: left unrotated
+        "past-capacity": replace(
+            base, seqlens=(base.capacity - 1, 3), n_q=2, n_new=2, rotary_dim=8, options=dict(causal=True)
+        ),
     }
     return [replace(case, name=name) for name, case in cases.items()]
 
 
 CASES = {"tiny": _cases(tiny=True), "cpu": _cases(tiny=False)}
-# longer caches on the GPU (paged cases keep their tables)
+# longer caches on the GPU (paged cases keep their tables, past-capacity its overflow)
 CASES["gpu"] = [
-    c if c.page_size else replace(c, capacity=c.capacity * 8, seqlens=tuple(8 * n + 1 for n in c.seqlens))
+    c
+    if c.page_size or c.name == "past-capacity"
+    else replace(c, capacity=c.capacity * 8, seqlens=tuple(8 * n + 1 for n in c.seqlens))
     for c in CASES["cpu"]
 ]
 
@@ -157,8 +165,9 @@ def _expected(case: Case, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor, t
             )
             k_new = rotary_reference(k_new, kwargs["rotary_cos"], kwargs["rotary_sin"], positions, case.interleaved)
         for b in range(case.batch):
-            for j in range(case.n_new):
-                row = seqlens[b] + j
+            for row, j in ((seqlens[b] + j, j) for j in range(case.n_new)):
+                if row >= case.capacity:
+                    continue  # past the cache: dropped
                 if case.page_size:
                     at = (int(kwargs["block_table"][b, row // case.page_size]), row % case.page_size)
                 else:
@@ -179,7 +188,7 @@ def _reference(case: Case, inputs: Inputs, k: torch.Tensor, v: torch.Tensor, com
         q = rotary_reference(q, kwargs["rotary_cos"], kwargs["rotary_sin"], positions, case.interleaved)
     outs, lses = [], []
     for b in range(case.batch):
-        keys = slice(case.leftpad[b] if case.leftpad else 0, seqlens[b] + case.n_new)
+        keys = slice(case.leftpad[b] if case.leftpad else 0, min(seqlens[b] + case.n_new, case.capacity))
         slopes = kwargs["alibi_slopes"][b] if case.alibi else None
         out, lse = attention_reference(
             q[b : b + 1],

@@ -27,14 +27,16 @@ def _slots(cache: KVCache, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def append(cache: KVCache) -> None:
-    """k_new (rotated at its positions) and v_new into cache rows cache_seqlens[b] + j."""
+    """k_new (rotated at its positions) and v_new into cache rows cache_seqlens[b] + j; rows past the cache are
+    dropped, as the kernels drop them."""
     rows = cache.cache_seqlens.long()[:, None] + torch.arange(cache.seqlen_new, device=cache.k_new.device)
     k_new = cache.k_new
     if cache.rotary_cos is not None:
         k_new = rotary_reference(k_new, cache.rotary_cos, cache.rotary_sin, rows, cache.rotary_interleaved)
-    block, slot = _slots(cache, rows)
-    cache.k_cache[block, slot] = k_new
-    cache.v_cache[block, slot] = cache.v_new
+    inside = (rows >= 0) & (rows < cache.capacity)
+    block, slot = _slots(cache, rows.clamp(0, cache.capacity - 1))
+    cache.k_cache[block[inside], slot[inside]] = k_new[inside]
+    cache.v_cache[block[inside], slot[inside]] = cache.v_new[inside]
 
 
 def dense_keys(cache: KVCache, x: torch.Tensor) -> torch.Tensor:
