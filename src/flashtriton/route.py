@@ -9,6 +9,7 @@ family's launchers. The families:
   hopper    the Gluon kernels of kernels/hopper (sm90): plain dense, causal or causal sliding-window self-attention
             of any length, in any layout TMA reads (strides of 16-byte multiples, the last 1); the backward either
             fused (dK/dV adding dQ up in fp32) or as a pair (dQ, then dK/dV: a fixed summation order)
+  decode    flash_attn_with_kvcache's split-KV kernels of kernels/decode.py (route.decode, at the end of this file)
 
 Backend (environment variable FLASHTRITON_BACKEND, read at each call):
   auto (default)  Triton kernels for fp16/bf16 CUDA tensors, the PyTorch path for anything else
