@@ -152,6 +152,7 @@ def decode_split_kernel(
     split = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
     stride_qm, stride_kn, stride_vn, stride_om = wide(stride_qm), wide(stride_kn), wide(stride_vn), wide(stride_om)
+    stride_os = wide(stride_os)  # the splits' partials: (SPLITS, B, N_Q, H, D) fp32 may pass 2**31 elements
 
     seqlen = tl.load(CACHE_SEQLENS + b)
     start = 0
