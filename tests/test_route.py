@@ -75,6 +75,14 @@ def table() -> str:
         for name, lengths in (("whole tiles", [n // 2, n // 4, n // 4]), ("ragged", [n // 2 - 3, n // 4 + 3, n // 4])):
             q, params = _varlen(lengths, head_dim, window_right=0)
             rows.append(_row(f"d{head_dim} causal varlen {name} {n}", "sm90", q, q, q, params))
+    # flash_attn_with_kvcache's decode kernels: one token per sequence, 32 query heads, splits for an H100's 132 SMs
+    for gpu, (batch, heads_k, capacity, head_dim) in itertools.product(
+        ("sm90", "cuda"),
+        ((1, 8, 8192, 128), (8, 8, 32768, 128), (64, 8, 4096, 128), (4, 1, 512, 64), (2, 4, 2048, 256)),
+    ):
+        q = torch.empty(batch, 1, 32, head_dim, device="meta", dtype=torch.bfloat16)
+        decode = route.decode(q, capacity, heads_k, 0, gpu=gpu, sms=132)
+        rows.append(f"{gpu:5} {f'decode d{head_dim} b{batch} hkv{heads_k} cache{capacity}':52} dec: {decode}")
     return "\n".join(rows) + "\n"
 
 

@@ -160,8 +160,6 @@ def test_varlen_packed_layouts_are_checked():
 def test_features_not_implemented_yet_say_so():
     with pytest.raises(NotImplementedError, match="block_table"):
         flashtriton.flash_attn_varlen_func(*varlen(), block_table=torch.zeros(3, 1, dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache is not implemented yet"):
-        flashtriton.flash_attn_with_kvcache(*[None] * 3)
 
 
 def test_packed_layouts_are_checked():

@@ -16,13 +16,16 @@ import torch.nn.functional as F
 
 from . import dropout, ops
 from .block_mask import BlockMask, create_block_mask
+from .kvcache import KVCache, attention_with_kvcache
 from .mods import Mod, as_mod, check_differentiable
 from .params import AttentionParams
 from .reference import attention_reference
 from .validation import (
     HEAD_DIM_STEP,
     check_alibi_slopes,
+    check_cache_seqlens,
     check_dropout,
+    check_kvcache,
     check_qkv,
     check_softcap,
     check_tensor,
@@ -370,14 +373,90 @@ def flash_attn_varlen_kvpacked_func(
 
 
 def flash_attn_with_kvcache(
-    q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
-    cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
-    window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-    return_softmax_lse=False,
-):  # fmt: skip
-    """flash_attn's inference API: attention against a KV cache, appending k, v in place."""
-    raise NotImplementedError(
-        "flash_attn_with_kvcache is not implemented yet: there is no KV-cache update, cache_seqlens handling or "
-        "split-KV decoding kernel; for now, concatenate the cache with the new k, v and call "
-        "flash_attn_func(..., causal=True)"
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q against a KV cache, after appending k, v to it in place: flash_attn's inference API.
+
+    q: (batch, seqlen_q, nheads, headdim), seqlen_q >= 1 (1 when decoding one token).
+    k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or with block_table a paged cache
+        (num_blocks, page_size, nheads_k, headdim) of any page size; last dim contiguous. nheads a multiple of
+        nheads_k (MQA/GQA), headdim 1 to 256, dtypes fp16, bf16, fp32, all one dtype.
+    k, v: (batch, seqlen_new, nheads_k, headdim) or None: written into the cache rows cache_seqlens[b] + j, in place.
+    cache_seqlens: int, or (batch,) int32: rows of each sequence's cache already filled (the append starts there).
+        Required with k, v; None: every sequence uses the whole cache.
+    cache_batch_idx: (batch,) int32: the cache's batch row of each sequence (default b); not with block_table.
+        Duplicate rows with k, v: any one sequence's rows are written.
+    cache_leftpad: (batch,) int32: each sequence's keys start at that cache row (default 0).
+    block_table: (batch, max_blocks) int32: sequence b's cache row r lives in page block_table[b, r // page_size] at
+        row r % page_size; capacity = max_blocks * page_size rows per sequence (seqlen_cache without pages).
+
+    Sequence b attends to cache rows [cache_leftpad[b], cache_seqlens[b] + seqlen_new): key j is row
+    cache_leftpad[b] + j and seqlen_k is that range's length; causal, window_size and alibi_slopes are
+    flash_attn_func's (aligned bottom-right, offset = seqlen_k - seqlen_q). A window bound of capacity or more counts
+    as none (flash_attn's). A query row that sees no key gets out 0 and LSE +inf.
+    rotary_cos, rotary_sin: (seqlen_ro >= capacity, rotary_dim / 2) in q's dtype, rotary_dim even and at most
+        headdim; only with k, v. The new key j is rotated at position cache_seqlens[b] + j; the queries, under
+        causal or a window, at cache_seqlens[b] + i, otherwise all at cache_seqlens[b] (flash_attn's rule: positions
+        are cache rows, cache_leftpad does not shift them). rotary_interleaved: pairs columns (2i, 2i + 1) (GPT-J);
+        False pairs (i, i + rotary_dim / 2) (GPT-NeoX). Computed in fp32, rounded to the dtype.
+    softmax_scale, softcap: as flash_attn_func.
+    num_splits: programs that share each sequence's keys (their partial results merged by log-sum-exp); 0 chooses
+        from the shapes and the GPU's SM count, 1 is one pass. At most 128, and at most the cache's key tiles.
+    return_softmax_lse: also return the LSE (batch, nheads, seqlen_q), fp32, natural log.
+
+    Values of tensor arguments (cache_seqlens, cache_batch_idx, cache_leftpad, block_table) are never read on the
+    host, so a call captures in a CUDA graph (the Triton path; the PyTorch path reads them); they are therefore not
+    validated: rows they place past the cache are neither written nor read, and a page index past num_blocks is the
+    caller's error. An int cache_seqlens is checked against the capacity. No gradient flows.
+
+    Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse).
+    """
+    capacity = check_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, num_splits
     )
+    seqlen_new = 0 if k is None else k.shape[1]
+    if cache_seqlens is None:
+        if k is not None:
+            raise ValueError("k, v are appended at cache_seqlens: pass cache_seqlens (an int or (batch,) int32)")
+        cache_seqlens = capacity
+    check_cache_seqlens(cache_seqlens, q, seqlen_new, capacity)
+    if not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    # flash_attn's: a bound of capacity or more is none, and rotary turns the queries row by row only under a bound
+    left, right = (-1 if w >= capacity else w for w in check_window(window_size))
+    if causal:
+        right = 0
+    slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
+    cache = KVCache(
+        k_cache, v_cache, k, v, *map(_contiguous, (cache_seqlens, cache_batch_idx, cache_leftpad, block_table)),
+        _contiguous(rotary_cos), _contiguous(rotary_sin), bool(rotary_interleaved), rotate_rows=left >= 0 or right >= 0,
+        num_splits=int(num_splits),
+    )  # fmt: skip
+    params = AttentionParams(
+        softmax_scale=resolve_softmax_scale(softmax_scale, q.shape[-1]), window_left=left, window_right=right,
+        softcap=check_softcap(softcap), alibi_slopes=slopes, write_lse=bool(return_softmax_lse),
+    )  # fmt: skip
+    out, lse = attention_with_kvcache(q, cache, params)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
+    return x if x is None or x.is_contiguous() else x.contiguous()

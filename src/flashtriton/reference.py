@@ -140,3 +140,28 @@ def attention_reference_varlen(
         outs.append(out[0])
         lses.append(lse[0])
     return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def rotary_reference(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
+    """Rotary embedding of x (batch, seqlen, nheads, headdim) at positions (batch, seqlen), in fp32, rounded to x's
+    dtype.
+
+    cos, sin: (seqlen_ro, rotary_dim / 2); the first rotary_dim columns turn in pairs by angle (position, f), pair f
+    being columns (2f, 2f + 1) if interleaved (GPT-J), else (f, f + rotary_dim / 2) (GPT-NeoX):
+    (a, b) -> (a cos - b sin, a sin + b cos). A position past the table leaves its row as it is.
+    """
+    rotary_dim = 2 * cos.shape[1]
+    inside = (positions < cos.shape[0])[..., None, None]
+    at = positions.clamp(max=cos.shape[0] - 1)
+    c = torch.where(inside, cos[at].float()[:, :, None, :], 1.0)
+    s = torch.where(inside, sin[at].float()[:, :, None, :], 0.0)
+    turned = x[..., :rotary_dim].float()
+    if interleaved:
+        a, b = turned[..., 0::2], turned[..., 1::2]
+        turned = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+    else:
+        a, b = turned.chunk(2, dim=-1)
+        turned = torch.cat((a * c - b * s, a * s + b * c), dim=-1)
+    return torch.cat((turned.to(x.dtype), x[..., rotary_dim:]), dim=-1)

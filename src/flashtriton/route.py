@@ -9,6 +9,7 @@ family's launchers. The families:
   hopper    the Gluon kernels of kernels/hopper (sm90): plain dense, causal or causal sliding-window self-attention
             of any length, in any layout TMA reads (strides of 16-byte multiples, the last 1); the backward either
             fused (dK/dV adding dQ up in fp32) or as a pair (dQ, then dK/dV: a fixed summation order)
+  decode    flash_attn_with_kvcache's split-KV kernels of kernels/decode.py (route.decode, at the end of this file)
 
 Backend (environment variable FLASHTRITON_BACKEND, read at each call):
   auto (default)  Triton kernels for fp16/bf16 CUDA tensors, the PyTorch path for anything else
@@ -285,3 +286,32 @@ def _backward(q, k, v, out, dout, p: AttentionParams, gpu: str | None) -> Route:
         sparse=p.sparse,
     )  # fmt: skip
     return Route(PORTABLE, portable)
+
+
+# flash_attn_with_kvcache's attention (kvcache.py): the split-KV decode kernels of kernels/decode.py, or the PyTorch
+# path. Its own family, so that the forward's decisions above stay as they are.
+DECODE = "decode"
+
+
+def decode(
+    q: torch.Tensor, capacity: int, heads_k: int, num_splits: int, gpu: str | None = None, sms: int | None = None
+) -> Route:
+    """The route of a KV-cache call: q (batch, seqlen_q, nheads, headdim) against caches of ``capacity`` rows per
+    sequence and ``heads_k`` K/V heads; ``num_splits`` the caller's (0: the table chooses). ``gpu``, ``sms``: route
+    for that arch's table and SM count instead of q's device (tests)."""
+    if q.numel() == 0:
+        return Route(NONE)
+    if gpu is None and _backend(q.device, q.dtype) == TORCH:
+        return Route(TORCH)
+    gpu = gpu or arch(q.device)
+    if sms is None:
+        sms = config.INTERPRETER_SMS if gpu == "interpreter" else _sm_count(q.device)
+    batch, n_q, heads, head_dim = q.shape
+    rows = heads // heads_k * n_q
+    cfg = config.decode_config(gpu, head_dim, run_dtype(q.dtype, gpu), rows, batch * heads_k, capacity, sms, num_splits)
+    return Route(DECODE, cfg)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

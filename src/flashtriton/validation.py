@@ -272,3 +272,125 @@ def _check_starts(name: str, cu: torch.Tensor, *, total: int, max_seqlen: int) -
             f"pass at least {max(lengths)}"
         )
     return True
+
+
+MAX_NUM_SPLITS = 128  # flash_attn_with_kvcache's num_splits: the combine reads one partial row per split
+
+
+def check_kvcache(
+    q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, num_splits
+) -> int:
+    """flash_attn_with_kvcache's tensors and their shapes, dtypes and devices; returns the cache's capacity (the rows
+    one sequence may use). Index tensors' values are not read (that would synchronise): see check_cache_index."""
+    check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    layout = "(batch_cache, seqlen_cache, nheads_k, headdim)"
+    if block_table is not None:
+        layout = "(num_blocks, page_size, nheads_k, headdim) with a block_table"
+    check_tensor("k_cache", k_cache, 4, layout)
+    check_tensor("v_cache", v_cache, 4, layout)
+    _check_shared(q, k_cache, v_cache, layout)
+    if q.shape[1] == 0:
+        raise ValueError("q has seqlen_q = 0: pass at least one query, (batch, seqlen_q >= 1, nheads, headdim)")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim (it is written in place): pass a cache whose "
+                             f"stride(-1) is 1")  # fmt: skip
+    if (k is None) != (v is None):
+        raise ValueError("pass both k and v (the new rows to append) or neither")
+    if k is not None:
+        _check_new_kv(q, k_cache, k, v)
+    if block_table is not None:
+        _check_index("block_table", block_table, 2, "(batch, max_blocks_per_sequence)", q)
+        if block_table.shape[0] != q.shape[0]:
+            raise ValueError(f"block_table has {block_table.shape[0]} rows, q has batch {q.shape[0]}: one per sequence")
+        if k_cache.shape[1] == 0:
+            raise ValueError("k_cache has pages of 0 rows: pass (num_blocks, page_size >= 1, nheads_k, headdim)")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx does not combine with block_table: list each sequence's pages in its row")
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    else:
+        if cache_batch_idx is not None:
+            check_cache_index("cache_batch_idx", cache_batch_idx, q)
+        elif k_cache.shape[0] != q.shape[0]:
+            raise ValueError(
+                f"k_cache has batch {k_cache.shape[0]}, q {q.shape[0]}: pass cache_batch_idx to pick each sequence's "
+                "cache row, or a cache of q's batch"
+            )
+        capacity = k_cache.shape[1]
+    if cache_leftpad is not None:
+        check_cache_index("cache_leftpad", cache_leftpad, q)
+    if rotary_cos is not None or rotary_sin is not None:
+        _check_rotary(q, k, rotary_cos, rotary_sin, capacity)
+    if not (_is_int(num_splits) and 0 <= num_splits <= MAX_NUM_SPLITS):
+        raise ValueError(
+            f"num_splits must be an int from 0 (choose) to {MAX_NUM_SPLITS}; 1 splits nothing; got {num_splits!r}"
+        )
+    return capacity
+
+
+def _check_new_kv(q, k_cache, k, v) -> None:
+    for name, x in (("k", k), ("v", v)):
+        check_tensor(name, x, 4, "(batch, seqlen_new, nheads_k, headdim)")
+        if x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(f"{name} is {x.dtype} on {x.device}, q {q.dtype} on {q.device}: pass {name}.to(q)")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    expected = (q.shape[0], k.shape[1], *k_cache.shape[2:])
+    if tuple(k.shape) != expected:
+        raise ValueError(
+            f"k and v must be (batch, seqlen_new, nheads_k, headdim) = {expected} for q's batch and the cache's heads, "
+            f"got {tuple(k.shape)}"
+        )
+
+
+def _check_index(name: str, x, ndim: int, layout: str, q) -> None:
+    check_tensor(name, x, ndim, layout)
+    if x.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {x.dtype}: pass {name}.to(torch.int32)")
+    if x.device != q.device:
+        raise ValueError(f"{name} is on {x.device}, q on {q.device}: pass {name}.to(q.device)")
+
+
+def check_cache_index(name: str, x, q) -> None:
+    """cache_seqlens, cache_batch_idx, cache_leftpad: (batch,) int32 on q's device. Their values are device data,
+    not checked (reading them would synchronise the host and break CUDA-graph capture)."""
+    _check_index(name, x, 1, "(batch,)", q)
+    if x.shape[0] != q.shape[0]:
+        raise ValueError(f"{name} has {x.shape[0]} entries, q has batch {q.shape[0]}: one per sequence")
+
+
+def check_cache_seqlens(cache_seqlens, q, seqlen_new: int, capacity: int) -> None:
+    """An int: the rows already in every sequence's cache, with room for seqlen_new more; or check_cache_index's."""
+    if isinstance(cache_seqlens, torch.Tensor):
+        check_cache_index("cache_seqlens", cache_seqlens, q)
+        return
+    if not _is_int(cache_seqlens):
+        raise TypeError(f"cache_seqlens must be an int or a (batch,) int32 tensor, got {type(cache_seqlens).__name__}")
+    if not 0 <= cache_seqlens <= capacity - seqlen_new:
+        raise ValueError(
+            f"cache_seqlens = {cache_seqlens} with {seqlen_new} new rows does not fit a cache of {capacity} rows per "
+            f"sequence: pass 0 <= cache_seqlens <= {capacity - seqlen_new}, or a larger cache"
+        )
+
+
+def _check_rotary(q, k, rotary_cos, rotary_sin, capacity: int) -> None:
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("pass both rotary_cos and rotary_sin, (seqlen_ro, rotary_dim / 2) each, or neither")
+    if k is None:
+        raise ValueError("rotary_cos / rotary_sin rotate the new k: they need k and v to append (as in flash_attn)")
+    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        check_tensor(name, x, 2, "(seqlen_ro, rotary_dim / 2)")
+        if x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(f"{name} is {x.dtype} on {x.device}, q {q.dtype} on {q.device}: pass {name}.to(q)")
+    if rotary_cos.shape != rotary_sin.shape:
+        raise ValueError(f"rotary_cos {tuple(rotary_cos.shape)} and rotary_sin {tuple(rotary_sin.shape)} must match")
+    if not 0 < 2 * rotary_cos.shape[1] <= q.shape[-1]:
+        raise ValueError(
+            f"rotary_cos has {rotary_cos.shape[1]} columns: rotary_dim = 2 x that must be from 2 to the head dim "
+            f"{q.shape[-1]}"
+        )
+    if rotary_cos.shape[0] < capacity:
+        raise ValueError(
+            f"rotary_cos has {rotary_cos.shape[0]} positions, the cache {capacity} rows per sequence: pass at least "
+            f"{capacity} (as flash_attn)"
+        )

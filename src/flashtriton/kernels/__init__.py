@@ -1,1 +1,1 @@
-"""Triton kernels (forward.py, backward.py), their shared helpers and the launch-config table."""
+"""Triton kernels (forward.py, backward.py, decode.py), their shared helpers and the launch-config table."""

@@ -380,3 +380,53 @@ def hopper_forward_candidates(head_dim: int, table: HopperForwardConfig) -> list
 # per-tile score matrix stays a few MiB per (batch, head).
 TORCH_BLOCK_M = 256
 TORCH_BLOCK_N = 512
+
+
+# Split-KV decoding (kernels/decode.py, flash_attn_with_kvcache). Unmeasured starting points: no sweep has run yet.
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_m: int  # packed query rows (the query heads of one K/V head x the query positions) per program
+    block_n: int  # cache rows streamed per inner step
+    num_warps: int
+    num_stages: int
+    splits: int  # programs sharing one (sequence, K/V head)'s keys; 1: one pass, no combine
+
+
+DECODE_MAX_BLOCK_M = 64  # packed rows per program; a call with more (long seqlen_q x GROUP) runs several row tiles
+DECODE_MAX_SPLITS = 128  # the most splits: the combine reads one partial row per split
+DECODE_MIN_SPLIT_KEYS = 256  # cache rows per split at least: each split costs a partial write and a combine read
+DECODE_FILL = 0.8  # a grid of this many programs per SM or more runs unsplit
+DECODE_COMBINE_WARPS = 4
+INTERPRETER_SMS = 4  # the SM count the interpreter's split choice assumes, so that tiny tests split
+# (max head dim, block_n, num_warps, num_stages) for 2-byte dtypes on CUDA GPUs; fp32 halves block_n
+_DECODE_TABLE = ((64, 128, 4, 2), (128, 64, 4, 2), (256, 32, 4, 1))
+_INTERPRETER_DECODE = DecodeConfig(block_m=MIN_BLOCK, block_n=16, num_warps=1, num_stages=1, splits=1)
+
+
+def decode_splits(programs: int, capacity: int, sms: int) -> int:
+    """Splits for a grid of ``programs`` unsplit programs over caches of ``capacity`` rows: enough to fill the SMs
+    once, no more than DECODE_MIN_SPLIT_KEYS rows each allow. From shapes alone: the lengths are device values."""
+    if programs >= DECODE_FILL * sms:
+        return 1
+    wanted = -(-sms // programs)
+    return max(1, min(wanted, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
+
+
+def decode_config(
+    arch: str, head_dim: int, dtype: torch.dtype, rows: int, pairs: int, capacity: int, sms: int, num_splits: int
+) -> DecodeConfig:
+    """The decode kernels' config for ``rows`` packed query rows per (sequence, K/V head), ``pairs`` such pairs,
+    caches of ``capacity`` rows and ``sms`` SMs. ``num_splits``: the caller's (0: choose),
+    capped at the cache's tiles (a split with no tile computes nothing)."""
+    if arch == "interpreter":
+        cfg = _INTERPRETER_DECODE
+    else:
+        padded = block_d(head_dim)
+        _, block_n, warps, stages = next(row for row in _DECODE_TABLE if padded <= row[0])
+        if dtype == torch.float32:
+            block_n = max(MIN_BLOCK, block_n // 2)
+        cfg = DecodeConfig(MIN_BLOCK, block_n, warps, stages, 1)
+    block_m = min(max(MIN_BLOCK, triton.next_power_of_2(rows)), DECODE_MAX_BLOCK_M)
+    tiles = max(1, -(-capacity // cfg.block_n))
+    splits = num_splits or decode_splits(pairs * -(-rows // block_m), capacity, sms)
+    return replace(cfg, block_m=block_m, splits=min(splits, tiles))

@@ -1,0 +1,111 @@
+"""Launchers of the split-KV decode kernels (kernels/decode.py): the KV append, the split pass and the combine.
+
+No host read of a device value and no allocation sized by one: every buffer (the fp32 partials of the splits
+included) is sized from shapes, so a call can be captured in a CUDA graph. Launch parameters are the route's
+kernels.config.DecodeConfig.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from . import route
+from .kernels import config
+from .kernels.decode import append_kv_kernel, decode_combine_kernel, decode_split_kernel
+from .kvcache import KVCache
+from .params import NO_BOUND, AttentionParams
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+def _last_dim_contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
+    return x if x is None or x.stride(-1) == 1 else x.contiguous()
+
+
+def _rotary(cache: KVCache) -> dict:
+    return dict(
+        ROT_COS=cache.rotary_cos, ROT_SIN=cache.rotary_sin,
+        seqlen_ro=0 if cache.rotary_cos is None else cache.rotary_cos.shape[0],
+        ROTARY_DIM=cache.rotary_dim, INTERLEAVED=cache.rotary_interleaved,
+    )  # fmt: skip
+
+
+def _pages(cache: KVCache) -> dict:
+    table = cache.block_table
+    return dict(
+        BLOCK_TABLE=table, stride_tb=0 if table is None else table.stride(0),
+        PAGE_SIZE=max(cache.page_size, 1), CAPACITY=cache.capacity,
+    )  # fmt: skip
+
+
+def _append(cache: KVCache, cfg: config.DecodeConfig) -> None:
+    """k_new (rotated) and v_new into the cache rows cache_seqlens[b] + j, in place."""
+    k_new, v_new = _last_dim_contiguous(cache.k_new), _last_dim_contiguous(cache.v_new)
+    batch, n_new, heads_k, head_dim = k_new.shape
+    grid = (triton.cdiv(n_new, cfg.block_n), batch * heads_k)
+    append_kv_kernel[grid](
+        k_new, v_new, cache.k_cache, cache.v_cache, cache.cache_seqlens, cache.cache_batch_idx,
+        *k_new.stride()[:3], *v_new.stride()[:3], *cache.k_cache.stride()[:3], *cache.v_cache.stride()[:3],
+        N_NEW=n_new, HKV=heads_k, D=head_dim, BLOCK_D=config.block_d(head_dim), BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps, **_pages(cache), **_rotary(cache),
+    )  # fmt: skip
+
+
+def _bound(window: int, n: int) -> int:
+    """A window bound as the kernel takes it: 0 for none, at most n (which changes no mask and stays in int32)."""
+    return min(max(window, 0), n)
+
+
+def forward(
+    q: torch.Tensor, cache: KVCache, p: AttentionParams, r: route.Route
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """out (shaped as q) and the natural-log LSE (batch, nheads, seqlen_q) in fp32, None unless p.write_lse."""
+    cfg: config.DecodeConfig = r.config
+    if cache.k_new is not None:
+        _append(cache, cfg)
+    q = _last_dim_contiguous(q)
+    batch, n_q, heads, head_dim = q.shape
+    heads_k = cache.k_cache.shape[2]
+    rows = heads // heads_k * n_q
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device) if p.write_lse else None
+    if cfg.splits == 1:
+        o_split, lse_split, empty_lse = out, lse, p.empty_lse
+        o_strides = (0, *out.stride()[:3])
+        lse_strides = (0, *lse.stride()) if lse is not None else (0, 0, 0, 0)
+    else:
+        # fp32 partials: (split, b, i, h, D) and (split, b, i, h), so that a final row's partials are one stride apart
+        o_split = torch.empty(cfg.splits, batch, n_q, heads, head_dim, dtype=torch.float32, device=q.device)
+        lse_split = torch.empty(cfg.splits, batch, n_q, heads, dtype=torch.float32, device=q.device)
+        o_strides = o_split.stride()[:4]
+        stride_ls, stride_lb, stride_lm, stride_lh = lse_split.stride()
+        lse_strides = (stride_ls, stride_lb, stride_lh, stride_lm)
+        empty_lse = -math.inf  # a partial's: it weighs nothing in the combine
+    scale = p.softmax_scale
+    softcap = p.softcap > 0 and scale != 0  # at scale 0 every score is 0, capped or not
+    n = cache.capacity + n_q
+    decode_split_kernel[(batch * heads_k, cfg.splits, triton.cdiv(rows, cfg.block_m))](
+        q, cache.k_cache, cache.v_cache, o_split, lse_split, cache.cache_seqlens, cache.cache_batch_idx,
+        cache.cache_leftpad, p.alibi_slopes,
+        *q.stride()[:3], *cache.k_cache.stride()[:3], *cache.v_cache.stride()[:3], *o_strides, *lse_strides,
+        N_Q=n_q, N_NEW=cache.seqlen_new, H=heads, HKV=heads_k,
+        GROUP=heads // heads_k, SPLITS=cfg.splits, qk_scale=scale * LOG2E,
+        softcap=scale / p.softcap if softcap else 0.0,
+        window_left=_bound(p.window_left, n), window_right=_bound(p.window_right, n),
+        rotary_step=int(cache.rotate_rows), empty_lse=empty_lse,
+        D=head_dim, BLOCK_D=config.block_d(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        LEFT=p.window_left != NO_BOUND, RIGHT=p.window_right != NO_BOUND, SOFTCAP=softcap,
+        UPCAST=q.dtype == torch.bfloat16 and route.interpreting(),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pages(cache), **_rotary(cache),
+    )  # fmt: skip
+    if cfg.splits > 1:
+        decode_combine_kernel[(batch * n_q * heads,)](
+            o_split, lse_split, out, lse, batch * n_q * heads, n_q, heads, cfg.splits, p.empty_lse,
+            D=head_dim, BLOCK_D=config.block_d(head_dim), BLOCK_S=triton.next_power_of_2(cfg.splits),
+            num_warps=config.DECODE_COMBINE_WARPS,
+        )  # fmt: skip
+    return out, lse

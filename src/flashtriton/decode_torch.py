@@ -1,0 +1,73 @@
+"""The PyTorch path of flash_attn_with_kvcache: CPU tensors, fp32, FLASHTRITON_BACKEND=torch.
+
+Readable rather than fast: the append is one indexed write; the attention gathers each sequence's keys into dense
+K, V and runs the reference (reference.py) on them in fp32, so it materialises (nheads, seqlen_q, seqlen_k) scores
+per sequence. It reads cache_seqlens and cache_leftpad on the host (a device sync for CUDA tensors, so not
+capturable in a CUDA graph: the Triton path is).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kvcache import KVCache
+from .params import AttentionParams
+from .reference import attention_reference, rotary_reference
+from .route import Route
+
+
+def _slots(cache: KVCache, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, row within it) of each sequence's cache rows ``rows`` (batch, n): a page and its row, or a batch row
+    and the row itself."""
+    batch = torch.arange(rows.shape[0], device=rows.device)[:, None]
+    if cache.paged:
+        return cache.block_table.long()[batch, rows // cache.page_size], rows % cache.page_size
+    cache_rows = batch if cache.cache_batch_idx is None else cache.cache_batch_idx.long()[:, None]
+    return cache_rows.expand_as(rows), rows
+
+
+def append(cache: KVCache) -> None:
+    """k_new (rotated at its positions) and v_new into cache rows cache_seqlens[b] + j; rows past the cache are
+    dropped, as the kernels drop them."""
+    rows = cache.cache_seqlens.long()[:, None] + torch.arange(cache.seqlen_new, device=cache.k_new.device)
+    k_new = cache.k_new
+    if cache.rotary_cos is not None:
+        k_new = rotary_reference(k_new, cache.rotary_cos, cache.rotary_sin, rows, cache.rotary_interleaved)
+    inside = (rows >= 0) & (rows < cache.capacity)
+    block, slot = _slots(cache, rows.clamp(0, cache.capacity - 1))
+    cache.k_cache[block[inside], slot[inside]] = k_new[inside]
+    cache.v_cache[block[inside], slot[inside]] = cache.v_new[inside]
+
+
+def dense_keys(cache: KVCache, x: torch.Tensor) -> torch.Tensor:
+    """A cache (k_cache or v_cache) as each sequence sees it: (batch, capacity, nheads_k, headdim)."""
+    if cache.paged:
+        return x[cache.block_table.long()].flatten(1, 2)
+    return x if cache.cache_batch_idx is None else x[cache.cache_batch_idx.long()]
+
+
+def forward(
+    q: torch.Tensor, cache: KVCache, p: AttentionParams, route: Route
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """out (shaped as q) and the natural-log LSE (batch, nheads, seqlen_q) in fp32, None unless p.write_lse."""
+    if cache.k_new is not None:
+        append(cache)
+    batch, n_q, heads, _ = q.shape
+    seqlens = cache.cache_seqlens.tolist()
+    starts = [0] * batch if cache.cache_leftpad is None else cache.cache_leftpad.tolist()
+    if cache.rotary_cos is not None:
+        step = int(cache.rotate_rows)
+        positions = cache.cache_seqlens.long()[:, None] + step * torch.arange(n_q, device=q.device)
+        q = rotary_reference(q, cache.rotary_cos, cache.rotary_sin, positions, cache.rotary_interleaved)
+    k, v = dense_keys(cache, cache.k_cache), dense_keys(cache, cache.v_cache)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)
+    for b in range(batch):
+        keys = slice(starts[b], min(seqlens[b] + cache.seqlen_new, cache.capacity))
+        slopes = None if p.alibi_slopes is None else p.alibi_slopes[b]
+        out_b, lse_b = attention_reference(
+            q[b : b + 1], k[b : b + 1, keys], v[b : b + 1, keys], p.softmax_scale, compute_dtype=torch.float32,
+            window_size=(p.window_left, p.window_right), softcap=p.softcap, alibi_slopes=slopes,
+        )  # fmt: skip
+        out[b], lse[b] = out_b[0], lse_b[0]
+    return out, lse if p.write_lse else None

@@ -1,0 +1,255 @@
+"""Split-KV decoding against a KV cache: the kernels of flash_attn_with_kvcache.
+
+Notation
+  B, H, HKV    batch, query heads, key/value heads; GROUP = H // HKV query heads share a K/V head
+  N_Q          query positions per sequence (1 when decoding one token)
+  N_NEW        new key/value rows appended per sequence (0: none)
+  CAPACITY     cache rows a sequence may use: the cache's seqlen, or (paged) the block table's width x PAGE_SIZE
+  PAGE_SIZE    rows per page of a paged cache: sequence b's row r lives in page BLOCK_TABLE[b, r // PAGE_SIZE] at
+               row r % PAGE_SIZE; a contiguous cache's row r is row r of batch row CACHE_BATCH_IDX[b] (or b)
+  start, end   sequence b's keys are its cache rows [start, end): start = CACHE_LEFTPAD[b] (or 0), end =
+               CACHE_SEQLENS[b] + N_NEW (at most CAPACITY); key j is row start + j, N_K = end - start, and the
+               masks are params.py's with offset = N_K - N_Q
+  D, BLOCK_D   head dim, rounded up to a power of two (columns >= D masked)
+  ROWS         GROUP * N_Q packed query rows of one K/V head: row r is query r // GROUP of head hk * GROUP + r % GROUP
+  BLOCK_M      packed rows per program; BLOCK_N cache rows per inner step
+  SPLITS       programs that share one (b, hk)'s keys: split s takes the s-th of SPLITS chunks of whole tiles of
+               [0, N_K) (a chunk past N_K is empty)
+  ROTARY_DIM   leading columns rotated by ROT_COS / ROT_SIN (seqlen_ro, ROTARY_DIM / 2) at a row's position (0: no
+               rotary); INTERLEAVED pairs columns (2i, 2i + 1), else (i, i + ROTARY_DIM / 2)
+
+Kernels and grids
+  append_kv_kernel       (cdiv(N_NEW, BLOCK_N), B * HKV): new K rows (rotated at positions CACHE_SEQLENS[b] + j) and
+                         V rows into cache rows CACHE_SEQLENS[b] + j
+  decode_split_kernel    (B * HKV, SPLITS, cdiv(ROWS, BLOCK_M)): one program attends its packed rows (all GROUP
+                         heads of a K/V head, so each K/V tile is read once per split) to its split's keys and
+                         writes that split's O and LSE: fp32 partials, or with SPLITS = 1 the final ones
+  decode_combine_kernel  (B * N_Q * H,): one row's SPLITS partials merged by log-sum-exp into O and LSE
+
+Optional tensors (CACHE_BATCH_IDX, CACHE_LEFTPAD, BLOCK_TABLE, ALIBI_SLOPES, LSE) are None-specialised: Triton
+compiles a variant for their presence, as for a tl.constexpr flag.
+
+Numerics: as forward.py, scores in base 2 (softmax_scale * LOG2E folded into qk_scale; the max is taken after the
+scale, so any scale's sign works), fp32 running max, sum and accumulator; LSEs are natural-log. A row that sees no key
+gets O = 0 and LSE = empty_lse: -inf in a partial (it then weighs nothing in the combine), +inf in a final result.
+Rotary runs in fp32 and rounds to the input dtype, before the product.
+Offsets: batch, page and head offsets are 64-bit; cache row numbers and positions are int32.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import LN2, LOG2E, logits, visible, wide
+
+
+@triton.jit
+def _pairs(cols, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """(partner column, angle index, sign) of each column: rotated, x[c] becomes
+    x[c] * cos[angle] + sign * x[partner] * sin[angle]."""
+    HALF: tl.constexpr = ROTARY_DIM // 2
+    if INTERLEAVED:
+        partner = cols ^ 1
+        angle = cols // 2
+        sign = tl.where(cols % 2 == 0, -1.0, 1.0)
+    else:
+        first = cols < HALF
+        partner = tl.where(first, cols + HALF, cols - HALF)
+        angle = tl.where(first, cols, cols - HALF)
+        sign = tl.where(first, -1.0, 1.0)
+    return partner, angle, sign
+
+
+@triton.jit
+def load_rotated(
+    row_ptrs, row_ok, cols, positions, ROT_COS, ROT_SIN, seqlen_ro,
+    D: tl.constexpr, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+):  # fmt: skip
+    """A [rows, BLOCK_D] tile (row_ptrs: [rows, 1] pointers to each row's column 0), its first ROTARY_DIM columns
+    rotated at each row's position (one past the cos / sin table: left as is, nothing read past it)."""
+    mask = row_ok[:, None] & (cols[None, :] < D)
+    x = tl.load(row_ptrs + cols[None, :], mask=mask, other=0.0)
+    if ROTARY_DIM > 0:
+        partner, angle, sign = _pairs(cols, ROTARY_DIM, INTERLEAVED)
+        rotated = mask & (cols[None, :] < ROTARY_DIM) & (positions[:, None] < seqlen_ro)
+        y = tl.load(row_ptrs + partner[None, :], mask=rotated, other=0.0)
+        at = positions[:, None].to(tl.int64) * (ROTARY_DIM // 2) + angle[None, :]
+        cos = tl.load(ROT_COS + at, mask=rotated, other=1.0).to(tl.float32)
+        sin = tl.load(ROT_SIN + at, mask=rotated, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) * cos + sign[None, :] * y.to(tl.float32) * sin).to(x.dtype)
+    return x
+
+
+@triton.jit
+def cache_slots(rows, b, cache_b, row_ok, BLOCK_TABLE, stride_tb, PAGE_SIZE):
+    """(block, row within it) of sequence b's cache rows: a page and its row through BLOCK_TABLE, or batch row
+    cache_b and the row itself. The block is 64-bit (it multiplies the block stride)."""
+    if BLOCK_TABLE is not None:
+        page = tl.load(BLOCK_TABLE + b * stride_tb + rows // PAGE_SIZE, mask=row_ok, other=0)
+        return page.to(tl.int64), rows % PAGE_SIZE
+    else:
+        return tl.zeros_like(rows).to(tl.int64) + cache_b, rows
+
+
+@triton.jit
+def _cache_row(CACHE_BATCH_IDX, b):
+    """The contiguous cache's batch row of sequence b."""
+    if CACHE_BATCH_IDX is not None:
+        return tl.load(CACHE_BATCH_IDX + b).to(tl.int64)
+    else:
+        return b
+
+
+@triton.jit(do_not_specialize=["N_NEW", "CAPACITY", "seqlen_ro"])
+def append_kv_kernel(
+    K_NEW, V_NEW, K, V, CACHE_SEQLENS, CACHE_BATCH_IDX,
+    stride_nb, stride_nn, stride_nh, stride_wb, stride_wn, stride_wh,
+    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    BLOCK_TABLE, stride_tb, PAGE_SIZE, CAPACITY, ROT_COS, ROT_SIN, seqlen_ro, N_NEW, HKV,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(1)
+    b = (pid // HKV).to(tl.int64)
+    hk = (pid % HKV).to(tl.int64)
+    stride_nn, stride_wn, stride_kn, stride_vn = wide(stride_nn), wide(stride_wn), wide(stride_kn), wide(stride_vn)
+    j = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.load(CACHE_SEQLENS + b) + j
+    # rows past the cache are dropped: cache_seqlens are device values, checked nowhere else
+    ok = (j < N_NEW) & (rows >= 0) & (rows < CAPACITY)
+    cols = tl.arange(0, BLOCK_D)
+    block, slot = cache_slots(rows, b, _cache_row(CACHE_BATCH_IDX, b), ok, BLOCK_TABLE, stride_tb, PAGE_SIZE)
+    mask = ok[:, None] & (cols[None, :] < D)
+    k_src = K_NEW + b * stride_nb + hk * stride_nh + j[:, None] * stride_nn
+    k = load_rotated(k_src, ok, cols, rows, ROT_COS, ROT_SIN, seqlen_ro, D, ROTARY_DIM, INTERLEAVED)
+    k_dst = K + block[:, None] * stride_kb + slot[:, None] * stride_kn + hk * stride_kh + cols[None, :]
+    tl.store(k_dst, k.to(K.dtype.element_ty), mask=mask)
+    v = tl.load(V_NEW + b * stride_wb + hk * stride_wh + j[:, None] * stride_wn + cols[None, :], mask=mask)
+    v_dst = V + block[:, None] * stride_vb + slot[:, None] * stride_vn + hk * stride_vh + cols[None, :]
+    tl.store(v_dst, v.to(V.dtype.element_ty), mask=mask)
+
+
+@triton.jit(
+    do_not_specialize=["CAPACITY", "seqlen_ro", "N_Q", "N_NEW", "SPLITS", "window_left", "window_right", "rotary_step"]
+)
+def decode_split_kernel(
+    Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_BATCH_IDX, CACHE_LEFTPAD, ALIBI_SLOPES,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_os, stride_ob, stride_om, stride_oh,
+    stride_ls, stride_lb, stride_lh, stride_lm,
+    BLOCK_TABLE, stride_tb, PAGE_SIZE, CAPACITY, ROT_COS, ROT_SIN, seqlen_ro, N_Q, N_NEW, H, HKV, GROUP, SPLITS,
+    qk_scale, softcap, window_left, window_right, rotary_step, empty_lse,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ROTARY_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """rotary_step: 1 rotates query i at CACHE_SEQLENS[b] + i, 0 every query at CACHE_SEQLENS[b] (flash_attn's rule,
+    interface.py). UPCAST: products in fp32 (Triton's interpreter computes bf16 tl.dot wrongly)."""
+    ALIBI: tl.constexpr = ALIBI_SLOPES is not None
+    pid = tl.program_id(0)
+    b = (pid // HKV).to(tl.int64)
+    hk = (pid % HKV).to(tl.int64)
+    split = tl.program_id(1)
+    m0 = tl.program_id(2) * BLOCK_M
+    stride_qm, stride_kn, stride_vn, stride_om = wide(stride_qm), wide(stride_kn), wide(stride_vn), wide(stride_om)
+    stride_os = wide(stride_os)  # the splits' partials: (SPLITS, B, N_Q, H, D) fp32 may pass 2**31 elements
+
+    seqlen = tl.load(CACHE_SEQLENS + b)
+    start = 0
+    if CACHE_LEFTPAD is not None:
+        start = tl.load(CACHE_LEFTPAD + b)
+    N_K = tl.maximum(tl.minimum(seqlen + N_NEW, CAPACITY) - start, 0)
+    cache_b = _cache_row(CACHE_BATCH_IDX, b)
+
+    rows = m0 + tl.arange(0, BLOCK_M)
+    i = rows // GROUP
+    h = hk * GROUP + rows % GROUP
+    row_ok = rows < N_Q * GROUP
+    cols = tl.arange(0, BLOCK_D)
+    q_ptrs = Q + b * stride_qb + i[:, None] * stride_qm + h[:, None] * stride_qh
+    q = load_rotated(q_ptrs, row_ok, cols, seqlen + i * rotary_step, ROT_COS, ROT_SIN, seqlen_ro, D, ROTARY_DIM,
+                     INTERLEAVED)  # fmt: skip
+    if UPCAST:
+        q = q.to(tl.float32)
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(ALIBI_SLOPES + b * H + h, mask=row_ok, other=0.0)[:, None]
+
+    # this split's keys, narrowed to the window band of the tile's queries (masks below keep it exact)
+    chunk = tl.cdiv(tl.cdiv(N_K, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, N_K)
+    offset = N_K - N_Q
+    if RIGHT:
+        last = tl.minimum((m0 + BLOCK_M - 1) // GROUP, N_Q - 1)
+        hi = tl.minimum(hi, last + offset + window_right + 1)
+    if LEFT:
+        lo = tl.maximum(lo, m0 // GROUP + offset - window_left)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for n0 in tl.range(lo, hi, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        key_ok = keys < hi
+        block, slot = cache_slots(start + keys, b, cache_b, key_ok, BLOCK_TABLE, stride_tb, PAGE_SIZE)
+        kv_mask = key_ok[:, None] & (cols[None, :] < D)
+        k = tl.load(K + block[:, None] * stride_kb + slot[:, None] * stride_kn + hk * stride_kh + cols[None, :],
+                    mask=kv_mask, other=0.0)  # fmt: skip
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s, _ = logits(s, i[:, None], keys[None, :], offset, qk_scale, softcap, slope, b, h, N_Q, N_K, (),
+                      SOFTCAP, ALIBI, None, None)  # fmt: skip
+        mask = key_ok[None, :] & visible(i, keys, N_Q, N_K, window_left, window_right, LEFT, RIGHT)
+        s = tl.where(mask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # a row with no visible key so far keeps m = -inf; shift it by 0 instead (no inf - inf)
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + block[:, None] * stride_vb + slot[:, None] * stride_vn + hk * stride_vh + cols[None, :],
+                    mask=kv_mask, other=0.0)  # fmt: skip
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # epilogue: rows that saw no key get O = 0 and LSE = empty_lse (-inf partial, +inf final)
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, empty_lse, (m_i + tl.math.log2(l_safe)) * LN2)
+    out = acc / l_safe[:, None]
+    o_ptrs = O + split * stride_os + b * stride_ob + i[:, None] * stride_om + h[:, None] * stride_oh + cols[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < D))
+    if LSE is not None:
+        tl.store(LSE + split * stride_ls + b * stride_lb + h * stride_lh + i * stride_lm, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["ROWS", "N_Q", "H", "SPLITS"])
+def decode_combine_kernel(
+    O_PART, LSE_PART, O, LSE, ROWS, N_Q, H, SPLITS, empty_lse,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """Row r = (b * N_Q + i) * H + h of O (contiguous (B, N_Q, H, D)) from O_PART (SPLITS, ROWS, D) and LSE_PART
+    (SPLITS, ROWS): O = sum_s exp(LSE_s - LSE) O_s with LSE = log sum_s exp(LSE_s); a row empty in every split
+    gets O = 0 and LSE = empty_lse."""
+    r = tl.program_id(0).to(tl.int64)
+    splits = tl.arange(0, BLOCK_S)
+    split_ok = splits < SPLITS
+    part = splits.to(tl.int64) * ROWS + r
+    lse = tl.load(LSE_PART + part, mask=split_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    empty = m == float("-inf")
+    weights = tl.math.exp2((lse - tl.where(empty, 0.0, m)) * LOG2E)  # an empty split's -inf weighs 0
+    total = tl.sum(weights, 0)
+    cols = tl.arange(0, BLOCK_D)
+    o = tl.load(O_PART + part[:, None] * D + cols[None, :], mask=split_ok[:, None] & (cols[None, :] < D), other=0.0)
+    out = tl.sum(weights[:, None] * o, 0) / tl.where(empty, 1.0, total)
+    tl.store(O + r * D + cols, out.to(O.dtype.element_ty), mask=cols < D)
+    if LSE is not None:
+        b = r // (N_Q * H)
+        i = r // H % N_Q
+        h = r % H
+        tl.store(LSE + (b * H + h) * N_Q + i, tl.where(empty, empty_lse, m + tl.log(tl.where(empty, 1.0, total))))

@@ -1,0 +1,130 @@
+"""Attention against a KV cache (flash_attn_with_kvcache): the cache's arguments as one record, the custom op that
+appends to the cache in place and attends, and the choice of backend.
+
+Semantics (per sequence b; the public API validates and documents them, params.py has the masks):
+  cache rows     a contiguous cache's rows are those of batch row cache_batch_idx[b] (or b); a paged cache's row r is
+                 row r % page_size of page block_table[b, r // page_size]; capacity is the rows one sequence may use
+  append         k_new[b, j], v_new[b, j] are written to cache row cache_seqlens[b] + j (k_new rotated first)
+  keys           cache rows [start, end): start = cache_leftpad[b] (or 0), end = cache_seqlens[b] + seqlen_new; key j
+                 is row start + j, seqlen_k = end - start
+  rotary         new key j at position cache_seqlens[b] + j; query i at cache_seqlens[b] + i if rotate_rows, else
+                 every query at cache_seqlens[b] (positions index rotary_cos / rotary_sin's rows)
+
+``flashtriton::attention_with_kvcache`` mutates k_cache and v_cache; torch.compile traces it through its fake
+implementation. Plain eager calls run the implementation directly, as ops.attention does. There is no backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from . import route, schema
+from .params import AttentionParams, lse_shape
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """One call's cache arguments. Each field is one schema argument of the op, in this order."""
+
+    k_cache: torch.Tensor  # (batch_cache, seqlen_cache, nheads_k, headdim), or paged (num_blocks, page_size, ...)
+    v_cache: torch.Tensor
+    k_new: torch.Tensor | None  # (batch, seqlen_new, nheads_k, headdim)
+    v_new: torch.Tensor | None
+    cache_seqlens: torch.Tensor  # (batch,) int32
+    cache_batch_idx: torch.Tensor | None  # (batch,) int32
+    cache_leftpad: torch.Tensor | None  # (batch,) int32
+    block_table: torch.Tensor | None  # (batch, max_blocks) int32
+    rotary_cos: torch.Tensor | None  # (seqlen_ro, rotary_dim / 2), contiguous
+    rotary_sin: torch.Tensor | None
+    rotary_interleaved: bool
+    rotate_rows: bool  # query i rotated at cache_seqlens + i (else all queries at cache_seqlens)
+    num_splits: int  # 0: the config table chooses
+
+    @property
+    def paged(self) -> bool:
+        return self.block_table is not None
+
+    @property
+    def page_size(self) -> int:
+        return self.k_cache.shape[1] if self.paged else 0
+
+    @property
+    def capacity(self) -> int:
+        """Cache rows one sequence may use."""
+        return self.block_table.shape[1] * self.page_size if self.paged else self.k_cache.shape[1]
+
+    @property
+    def rotary_dim(self) -> int:
+        return 0 if self.rotary_cos is None else 2 * self.rotary_cos.shape[1]
+
+    @property
+    def seqlen_new(self) -> int:
+        return 0 if self.k_new is None else self.k_new.shape[1]
+
+
+_TYPES = {"torch.Tensor": "Tensor", "torch.Tensor | None": "Tensor?", "bool": "bool", "int": "int"}
+_MUTATED = {"k_cache": "Tensor(a!)", "v_cache": "Tensor(b!)"}
+_CACHE_FIELDS = tuple(f.name for f in dataclasses.fields(KVCache))
+_CACHE_SIGNATURE = ", ".join(f"{_MUTATED.get(f.name) or _TYPES[f.type]} {f.name}" for f in dataclasses.fields(KVCache))
+
+
+def _launchers(family: str) -> ModuleType:
+    if family == route.TORCH:
+        from . import decode_torch
+
+        return decode_torch
+    from . import decode_backend  # imported lazily: triton reads TRITON_INTERPRET at import
+
+    return decode_backend
+
+
+def forward(q: torch.Tensor, cache: KVCache, p: AttentionParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out, lse) of one call, lse None unless p.write_lse; k_new, v_new appended to the cache first."""
+    r = route.decode(q, cache.capacity, cache.k_cache.shape[2], cache.num_splits)
+    if r.family == route.NONE:  # an empty batch: nothing to append or attend
+        lse = q.new_full(lse_shape(q, False), p.empty_lse, dtype=torch.float32) if p.write_lse else None
+        return torch.zeros_like(q), lse
+    return _launchers(r.family).forward(q, cache, p, r)
+
+
+_NO_LSE = (0,)  # the LSE slot of a call that asks for none
+
+
+def _op(q, *values):
+    cache = KVCache(*values[: len(_CACHE_FIELDS)])
+    out, lse = forward(q, cache, schema.from_schema(values[len(_CACHE_FIELDS) :]))
+    return out, lse if lse is not None else q.new_empty(_NO_LSE, dtype=torch.float32)
+
+
+def _fake(q, *values):
+    params = schema.from_schema(values[len(_CACHE_FIELDS) :])
+    return q.new_empty(q.shape), q.new_empty(lse_shape(q, False) if params.write_lse else _NO_LSE, dtype=torch.float32)
+
+
+attention_with_kvcache_op = torch.library.custom_op(
+    "flashtriton::attention_with_kvcache", _op, mutates_args=("k_cache", "v_cache"),
+    schema=f"(Tensor q, {_CACHE_SIGNATURE}, {schema.SIGNATURE}) -> (Tensor, Tensor)",
+)  # fmt: skip
+attention_with_kvcache_op.register_fake(_fake)
+
+
+def attention_with_kvcache(
+    q: torch.Tensor, cache: KVCache, params: AttentionParams
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out, lse), lse None unless params.write_lse; k_new, v_new written into the cache in place. No gradient.
+
+    Anything that watches or records ops (torch.compile, a dispatch mode, tensor subclasses) goes through the
+    custom op; plain eager tensors skip its dispatch."""
+    tensors = (q, cache.k_cache, cache.v_cache)
+    traced = torch.compiler.is_compiling() or torch.jit.is_tracing() or _get_current_dispatch_mode() is not None
+    if traced or any(type(x) is not torch.Tensor for x in tensors):
+        values = [getattr(cache, name) for name in _CACHE_FIELDS]
+        out, lse = attention_with_kvcache_op(q, *values, *schema.to_schema(params))
+        return out, lse if params.write_lse else None
+    with torch.no_grad():
+        return forward(q, cache, params)

@@ -1,0 +1,481 @@
+"""flash_attn_with_kvcache against the fp64 reference on every target: the cache after the call, exactly, and the
+attention over it (gathered into dense K, V here), for every argument; splits against one pass; errors.
+
+Outputs are NaN-poisoned by conftest (torch.empty fills with NaN), so a row a kernel did not write fails."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import pytest
+import torch
+
+from flashtriton import flash_attn_with_kvcache, route
+from flashtriton.kernels import config
+from flashtriton.reference import attention_reference, rotary_reference
+from helpers import TARGETS, assert_close_to_reference, target_params
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call: its shapes and arguments. seqlens: the rows already in each sequence's cache."""
+
+    name: str = "case"
+    seqlens: tuple[int, ...] = (5, 27)
+    n_q: int = 1
+    n_new: int = 1  # 0: no k, v to append
+    heads: int = 4
+    heads_k: int = 2
+    head_dim: int = 16
+    capacity: int = 40  # rows per sequence (paged: max_blocks * page_size)
+    page_size: int = 0  # 0: a contiguous cache
+    batch_cache: int = 0  # > batch: cache_batch_idx picks each sequence's row
+    leftpad: tuple[int, ...] | None = None
+    rotary_dim: int = 0
+    interleaved: bool = True
+    int_seqlens: bool = False
+    dtype: torch.dtype = torch.float16
+    options: dict = field(default_factory=dict)  # causal, window_size, softcap, softmax_scale
+    alibi: bool = False
+
+    @property
+    def batch(self) -> int:
+        return len(self.seqlens)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _cases(tiny: bool) -> list[Case]:
+    big = {} if tiny else dict(heads=8, head_dim=64, capacity=300)
+    base = Case(**big)
+    two = replace(base, seqlens=(17, 17))
+    cases = {
+        "append-q1": base,
+        "append-q4-causal": replace(base, n_q=4, n_new=4, options=dict(causal=True)),
+        "append-2-of-q3": replace(base, n_q=3, n_new=2, dtype=torch.float32),
+        "no-append": replace(base, n_new=0, seqlens=(1, 33)),
+        "int-seqlens": replace(two, int_seqlens=True, n_q=2, n_new=2, options=dict(causal=True)),
+        "rotary-interleaved-causal": replace(base, n_q=2, n_new=2, rotary_dim=8, options=dict(causal=True)),
+        "rotary-neox-rows-share": replace(base, n_q=2, n_new=2, rotary_dim=16, interleaved=False),
+        "rotary-neox-window": replace(
+            base, n_q=3, n_new=3, rotary_dim=12, interleaved=False, options=dict(window_size=(6, 1))
+        ),
+        "paged-16-crossing": replace(
+            base, page_size=16, capacity=64, seqlens=(15, 30), n_new=3, n_q=3, options=dict(causal=True)
+        ),
+        "paged-256": replace(base, page_size=256, capacity=512, seqlens=(250, 40), n_new=8, n_q=2, heads_k=1),
+        "paged-12-leftpad": replace(base, page_size=12, capacity=48, leftpad=(3, 20), n_new=2, n_q=2),
+        "leftpad": replace(base, leftpad=(2, 26), n_q=2, n_new=2, options=dict(causal=True)),
+        "batch-idx": replace(base, batch_cache=5, n_q=2, n_new=2, rotary_dim=8),
+        "gqa-3-window": replace(base, heads=6, heads_k=2, n_q=4, n_new=4, options=dict(window_size=(5, 2))),
+        "mqa-softcap-scale": replace(base, heads_k=1, n_q=2, options=dict(softcap=2.0, softmax_scale=-0.4)),
+        "alibi-causal": replace(base, alibi=True, n_q=3, n_new=1, options=dict(causal=True)),
+        "head-dim-20": replace(base, head_dim=20, rotary_dim=12, n_q=2, n_new=2, options=dict(causal=True)),
+        "head-dim-256-bf16": replace(base, head_dim=256, heads=2, heads_k=1, n_q=2, dtype=torch.bfloat16),
+        # sequence 0's second new row lands past the cache: dropped; its second query's rotary position is past the
+        # cos / sin table: left unrotated
+        "past-capacity": replace(
+            base, seqlens=(base.capacity - 1, 3), n_q=2, n_new=2, rotary_dim=8, options=dict(causal=True)
+        ),
+    }
+    return [replace(case, name=name) for name, case in cases.items()]
+
+
+CASES = {"tiny": _cases(tiny=True), "cpu": _cases(tiny=False)}
+# longer caches on the GPU (paged cases keep their tables, past-capacity its overflow)
+CASES["gpu"] = [
+    c
+    if c.page_size or c.name == "past-capacity"
+    else replace(c, capacity=c.capacity * 8, seqlens=tuple(8 * n + 1 for n in c.seqlens))
+    for c in CASES["cpu"]
+]
+
+
+def _gpu_dtype(case: Case, device: str) -> torch.dtype:
+    """fp32 runs on the PyTorch path and in the interpreter; the GPU's kernels are tested in bf16 there instead."""
+    return torch.bfloat16 if device == "cuda" and case.dtype == torch.float32 else case.dtype
+
+
+@dataclass
+class Inputs:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    kwargs: dict
+
+
+def _inputs(case: Case, device: str) -> Inputs:
+    dtype = _gpu_dtype(case, device)
+    batch, d = case.batch, case.head_dim
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device).to(dtype)
+
+    kwargs = dict(case.options)
+    if case.page_size:
+        width = case.capacity // case.page_size
+        blocks = batch * width + 3  # spare pages: the table does not cover the cache
+        table = torch.randperm(blocks, device=device)[: batch * width].view(batch, width).to(torch.int32)
+        shape = (blocks, case.page_size, case.heads_k, d)
+        kwargs["block_table"] = table
+    else:
+        shape = (case.batch_cache or batch, case.capacity, case.heads_k, d)
+        if case.batch_cache:
+            kwargs["cache_batch_idx"] = torch.randperm(case.batch_cache, device=device)[:batch].to(torch.int32)
+    seqlens = torch.tensor(case.seqlens, dtype=torch.int32, device=device)
+    kwargs["cache_seqlens"] = case.seqlens[0] if case.int_seqlens else seqlens
+    if case.leftpad is not None:
+        kwargs["cache_leftpad"] = torch.tensor(case.leftpad, dtype=torch.int32, device=device)
+    if case.rotary_dim:
+        angles = torch.rand(case.capacity, case.rotary_dim // 2, device=device) * 6.3
+        kwargs.update(rotary_cos=angles.cos().to(dtype), rotary_sin=angles.sin().to(dtype))
+        kwargs["rotary_interleaved"] = case.interleaved
+    if case.alibi:
+        kwargs["alibi_slopes"] = torch.rand(batch, case.heads, device=device)
+    new = (randn(batch, case.n_new, case.heads_k, d) for _ in range(2)) if case.n_new else (None, None)
+    return Inputs(randn(batch, case.n_q, case.heads, d), randn(*shape), randn(*shape), *new, kwargs)
+
+
+def _dense(x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """A cache as each sequence sees it, (batch, capacity, nheads_k, headdim), gathered by Python loops."""
+    table, index = kwargs.get("block_table"), kwargs.get("cache_batch_idx")
+    if table is None:
+        return x if index is None else torch.stack([x[int(i)] for i in index])
+    return torch.stack([torch.cat([x[int(page)] for page in row]) for row in table])
+
+
+def _seqlens(case: Case) -> list[int]:
+    return [case.seqlens[0]] * case.batch if case.int_seqlens else list(case.seqlens)
+
+
+def _expected(case: Case, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache after the call, with the dense K, V each sequence then sees): the call's append, written
+    row by row into copies of the caches."""
+    kwargs = inputs.kwargs
+    k_cache, v_cache = inputs.k_cache.clone(), inputs.v_cache.clone()
+    seqlens = _seqlens(case)
+    if inputs.k is not None:
+        k_new = inputs.k
+        if case.rotary_dim:
+            positions = torch.tensor(seqlens, device=k_new.device)[:, None] + torch.arange(
+                case.n_new, device=k_new.device
+            )
+            k_new = rotary_reference(k_new, kwargs["rotary_cos"], kwargs["rotary_sin"], positions, case.interleaved)
+        for b in range(case.batch):
+            for row, j in ((seqlens[b] + j, j) for j in range(case.n_new)):
+                if row >= case.capacity:
+                    continue  # past the cache: dropped
+                if case.page_size:
+                    at = (int(kwargs["block_table"][b, row // case.page_size]), row % case.page_size)
+                else:
+                    at = (int(kwargs["cache_batch_idx"][b]) if case.batch_cache else b, row)
+                k_cache[at], v_cache[at] = k_new[b, j], inputs.v[b, j]
+    return k_cache, v_cache, _dense(k_cache, kwargs), _dense(v_cache, kwargs)
+
+
+def _reference(case: Case, inputs: Inputs, k: torch.Tensor, v: torch.Tensor, compute_dtype):
+    """out, lse of the reference over each sequence's keys (the dense K, V rows [leftpad, seqlens + n_new))."""
+    kwargs, q = inputs.kwargs, inputs.q
+    seqlens = _seqlens(case)
+    causal = case.options.get("causal", False)
+    window = case.options.get("window_size", (-1, -1))
+    if case.rotary_dim:
+        step = int(causal or window != (-1, -1))
+        positions = torch.tensor(seqlens, device=q.device)[:, None] + step * torch.arange(case.n_q, device=q.device)
+        q = rotary_reference(q, kwargs["rotary_cos"], kwargs["rotary_sin"], positions, case.interleaved)
+    outs, lses = [], []
+    for b in range(case.batch):
+        keys = slice(case.leftpad[b] if case.leftpad else 0, min(seqlens[b] + case.n_new, case.capacity))
+        slopes = kwargs["alibi_slopes"][b] if case.alibi else None
+        out, lse = attention_reference(
+            q[b : b + 1],
+            k[b : b + 1, keys],
+            v[b : b + 1, keys],
+            case.options.get("softmax_scale"),
+            causal,
+            compute_dtype,
+            window_size=window,
+            softcap=case.options.get("softcap", 0.0),
+            alibi_slopes=slopes,
+        )
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _call(inputs: Inputs, num_splits: int):
+    """The call on copies of the caches: (out, lse, k_cache, v_cache after it)."""
+    k_cache, v_cache = inputs.k_cache.clone(), inputs.v_cache.clone()
+    out, lse = flash_attn_with_kvcache(
+        inputs.q,
+        k_cache,
+        v_cache,
+        inputs.k,
+        inputs.v,
+        num_splits=num_splits,
+        return_softmax_lse=True,
+        **inputs.kwargs,
+    )
+    return out, lse, k_cache, v_cache
+
+
+def _assert_cache(name: str, actual: torch.Tensor, expected: torch.Tensor, rotated: bool) -> None:
+    """Copied rows are exact; rotated ones may differ by the rounding of a fused multiply-add (one ulp)."""
+    if not rotated:
+        assert torch.equal(actual, expected), f"{name} differs from the expected append"
+        return
+    ulp = torch.finfo(actual.dtype).eps * expected.abs().amax().item()
+    torch.testing.assert_close(actual, expected, rtol=0, atol=ulp, msg=f"{name} differs by more than an ulp")
+
+
+@pytest.mark.parametrize("backend,case", target_params(CASES), indirect=["backend"])
+def test_matches_reference(backend, case):
+    """The cache after the call and out, LSE against the fp64 reference, with one pass and with splits."""
+    inputs = _inputs(case, backend.device)
+    k_cache, v_cache, k, v = _expected(case, inputs)
+    exact = _reference(case, inputs, k, v, torch.float64)
+    plain = _reference(case, inputs, k, v, None)
+    for num_splits in (1, 3):
+        out, lse, k_after, v_after = _call(inputs, num_splits)
+        _assert_cache("k_cache", k_after, k_cache, rotated=case.rotary_dim > 0)
+        _assert_cache("v_cache", v_after, v_cache, rotated=False)
+        assert out.dtype == inputs.q.dtype and lse.dtype == torch.float32
+        assert_close_to_reference(f"out (splits {num_splits})", out, exact[0], plain[0])
+        assert_close_to_reference(f"lse (splits {num_splits})", lse, exact[1], plain[1])
+
+
+ONE = {
+    "tiny": [Case("d16", seqlens=(2, 0), n_q=4, n_new=0)],
+    "cpu": [Case("d64", seqlens=(2, 0), n_q=4, n_new=0, head_dim=64)],
+    "gpu": [Case("d128", seqlens=(2, 0), n_q=4, n_new=0, head_dim=128, capacity=2000)],
+}
+
+
+@pytest.mark.parametrize("backend,case", target_params(ONE), indirect=["backend"])
+def test_rows_without_keys_are_zero_with_infinite_lse(backend, case):
+    """Causal with more queries than keys: sequence 0's first two queries and every query of the empty sequence 1
+    see no key; out is 0 (not NaN) and the LSE +inf, in one pass and merged from splits (each then empty)."""
+    case = replace(case, options=dict(causal=True))
+    inputs = _inputs(case, backend.device)
+    for num_splits in (1, 4):
+        out, lse, _, _ = _call(inputs, num_splits)
+        empty = torch.zeros(case.batch, case.n_q, dtype=torch.bool, device=out.device)
+        empty[0, :2] = empty[1] = True
+        assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+        assert torch.isposinf(lse.transpose(1, 2)[empty]).all()
+        assert torch.isfinite(lse.transpose(1, 2)[~empty]).all() and not out.isnan().any()
+
+
+@pytest.mark.parametrize("backend,case", target_params(ONE), indirect=["backend"])
+def test_chosen_splits_and_no_lse_give_the_same_out(backend, case):
+    """num_splits=0 (the table's choice) and return_softmax_lse=False agree with explicit splits to rounding."""
+    case = replace(case, seqlens=(30, 3), n_q=2, n_new=2)
+    inputs = _inputs(case, backend.device)
+    ours, _, _, _ = _call(inputs, 1)
+    chosen, _, _, _ = _call(inputs, 0)
+    torch.testing.assert_close(chosen, ours, atol=2e-3, rtol=0)
+    k_cache, v_cache = inputs.k_cache.clone(), inputs.v_cache.clone()
+    out = flash_attn_with_kvcache(inputs.q, k_cache, v_cache, inputs.k, inputs.v, num_splits=1, **inputs.kwargs)
+    assert torch.equal(out, ours)
+
+
+def test_rotary_reference_is_a_complex_rotation():
+    """rotary_reference, the tests' oracle, against rotary as complex multiplication by e^(i angle)."""
+    x = torch.randn(2, 3, 4, 10, dtype=torch.float64)
+    angles = torch.rand(9, 4, dtype=torch.float64) * 6.3
+    positions = torch.randint(0, 9, (2, 3))
+    turn = torch.polar(torch.ones_like(angles), angles)[positions][:, :, None, :]  # (2, 3, 1, 4)
+    for interleaved in (True, False):
+        pairs = x[..., :8].unflatten(-1, (4, 2)) if interleaved else x[..., :8].unflatten(-1, (2, 4)).transpose(-1, -2)
+        turned = torch.view_as_real(torch.view_as_complex(pairs.contiguous()) * turn)
+        turned = turned.flatten(-2) if interleaved else turned.transpose(-1, -2).flatten(-2)
+        expected = torch.cat((turned, x[..., 8:]), -1)
+        actual = rotary_reference(x, angles.cos(), angles.sin(), positions, interleaved)
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)  # it rotates in fp32
+
+
+def test_route_decides_the_decode_family_and_splits():
+    q = torch.empty(2, 1, 32, 128, device="meta", dtype=torch.bfloat16)
+    many = torch.empty(64, 1, 32, 128, device="meta", dtype=torch.bfloat16)
+    r = route.decode(q, 8192, 8, 0, gpu="sm90", sms=132)
+    assert r.family == route.DECODE and r.config.block_m == 16
+    # 16 (sequence, K/V head) pairs on 132 SMs: nine splits fill them once; 64 x 8 pairs need none
+    assert r.config.splits == 9
+    assert route.decode(many, 8192, 8, 0, gpu="sm90", sms=132).config.splits == 1
+    # a short cache: no split below config.DECODE_MIN_SPLIT_KEYS rows; a caller's count capped at the cache's tiles
+    assert route.decode(q, 300, 8, 0, gpu="sm90", sms=132).config.splits == 1
+    assert route.decode(q, 100, 8, 64, gpu="sm90", sms=132).config.splits == -(-100 // r.config.block_n)
+    assert route.decode(q[:0], 100, 8, 0, gpu="sm90").family == route.NONE
+    assert config.decode_config("sm90", 128, torch.bfloat16, 4 * 16, 1, 8192, 132, 1).block_m == 64
+
+
+def _errors_inputs():
+    q = torch.randn(2, 1, 4, 16)
+    cache = torch.randn(2, 32, 2, 16)
+    return q, cache, cache.clone()
+
+
+ERRORS = {
+    "cache-rank": (lambda q, kc, vc: (q, kc[0], vc), {}, ValueError, "must have 4 dims"),
+    "cache-dtype": (lambda q, kc, vc: (q, kc.half(), vc), {}, ValueError, "one dtype"),
+    "head-dim": (lambda q, kc, vc: (q[..., :8], kc, vc), {}, ValueError, "head dim"),
+    "gqa": (lambda q, kc, vc: (q[:, :, :3], kc, vc), {}, ValueError, "multiple of k heads"),
+    "cache-batch": (lambda q, kc, vc: (q, kc[:1], vc[:1]), {}, ValueError, "pass cache_batch_idx"),
+    "seqlen-q-0": (lambda q, kc, vc: (q[:, :0], kc, vc), {}, ValueError, "seqlen_q = 0"),
+    "cache-stride": (
+        lambda q, kc, vc: (q, kc.transpose(-1, -2).contiguous().transpose(-1, -2), vc),
+        {},
+        ValueError,
+        "contiguous last dim",
+    ),
+    "k-without-v": (
+        lambda q, kc, vc: (q, kc, vc, torch.randn(2, 1, 2, 16)),
+        {"cache_seqlens": 3},
+        ValueError,
+        "both k and v",
+    ),
+    "k-shape": (
+        lambda q, kc, vc: (q, kc, vc, torch.randn(2, 1, 4, 16), torch.randn(2, 1, 4, 16)),
+        {"cache_seqlens": 3},
+        ValueError,
+        "seqlen_new, nheads_k",
+    ),
+    "k-without-seqlens": (
+        lambda q, kc, vc: (q, kc, vc, torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)),
+        {},
+        ValueError,
+        "pass cache_seqlens",
+    ),
+    "append-past-capacity": (
+        lambda q, kc, vc: (q, kc, vc, torch.randn(2, 2, 2, 16), torch.randn(2, 2, 2, 16)),
+        {"cache_seqlens": 31},
+        ValueError,
+        "does not fit",
+    ),
+    "seqlens-int64": (lambda q, kc, vc: (q, kc, vc), {"cache_seqlens": torch.tensor([1, 2])}, TypeError, "int32"),
+    "seqlens-batch": (
+        lambda q, kc, vc: (q, kc, vc),
+        {"cache_seqlens": torch.tensor([1], dtype=torch.int32)},
+        ValueError,
+        "one per sequence",
+    ),
+    "seqlens-float": (lambda q, kc, vc: (q, kc, vc), {"cache_seqlens": 2.0}, TypeError, "an int or"),
+    "block-table-int64": (
+        lambda q, kc, vc: (q, kc, vc),
+        {"block_table": torch.zeros(2, 2, dtype=torch.long)},
+        TypeError,
+        "block_table must be int32",
+    ),
+    "block-table-with-batch-idx": (
+        lambda q, kc, vc: (q, kc, vc),
+        {"block_table": torch.zeros(2, 2, dtype=torch.int32), "cache_batch_idx": torch.zeros(2, dtype=torch.int32)},
+        ValueError,
+        "does not combine with block_table",
+    ),
+    "leftpad-device-shape": (
+        lambda q, kc, vc: (q, kc, vc),
+        {"cache_leftpad": torch.zeros(2, 1, dtype=torch.int32)},
+        ValueError,
+        "must have 1 dims",
+    ),
+    "rotary-without-k": (
+        lambda q, kc, vc: (q, kc, vc),
+        {"rotary_cos": torch.ones(32, 4), "rotary_sin": torch.ones(32, 4)},
+        ValueError,
+        "need k and v",
+    ),
+    "rotary-short": (
+        lambda q, kc, vc: (q, kc, vc, torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)),
+        {"cache_seqlens": 1, "rotary_cos": torch.ones(8, 4), "rotary_sin": torch.ones(8, 4)},
+        ValueError,
+        "at least 32",
+    ),
+    "rotary-wide": (
+        lambda q, kc, vc: (q, kc, vc, torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)),
+        {"cache_seqlens": 1, "rotary_cos": torch.ones(32, 9), "rotary_sin": torch.ones(32, 9)},
+        ValueError,
+        "rotary_dim",
+    ),
+    "rotary-one": (
+        lambda q, kc, vc: (q, kc, vc, torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)),
+        {"cache_seqlens": 1, "rotary_cos": torch.ones(32, 4)},
+        ValueError,
+        "both rotary_cos and rotary_sin",
+    ),
+    "num-splits": (lambda q, kc, vc: (q, kc, vc), {"num_splits": 129}, ValueError, "num_splits must be"),
+    "window": (lambda q, kc, vc: (q, kc, vc), {"window_size": (-2, 0)}, ValueError, "window_size"),
+    "softcap": (lambda q, kc, vc: (q, kc, vc), {"softcap": -1.0}, ValueError, "softcap"),
+    "alibi": (lambda q, kc, vc: (q, kc, vc), {"alibi_slopes": torch.ones(3)}, ValueError, "alibi_slopes"),
+}
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_bad_input_says_the_fix_before_any_launch(name, monkeypatch):
+    def launched(*args, **kwargs):
+        raise AssertionError("a backend was chosen for invalid input")
+
+    monkeypatch.setattr(route, "decode", launched)
+    make, kwargs, error, message = ERRORS[name]
+    with pytest.raises(error, match=message):
+        flash_attn_with_kvcache(*make(*_errors_inputs()), **kwargs)
+
+
+@pytest.mark.parametrize("backend", TARGETS, indirect=True, ids=str)
+def test_compiles_without_graph_breaks_and_mutates_the_cache(backend):
+    """torch.compile(fullgraph=True) traces the op (aot_eager on CPU, as test_compile.py): the same out and cache."""
+    case = Case(seqlens=(4, 20), n_q=2, n_new=2, rotary_dim=8, options=dict(causal=True))
+    inputs = _inputs(case, backend.device)
+
+    def step(q, k_cache, v_cache, k, v):
+        return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, num_splits=2, **inputs.kwargs)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager" if backend.device == "cpu" else "inductor")
+    caches = [(inputs.k_cache.clone(), inputs.v_cache.clone()) for _ in range(2)]
+    eager = step(inputs.q, *caches[0], inputs.k, inputs.v)
+    traced = compiled(inputs.q, *caches[1], inputs.k, inputs.v)
+    assert torch.equal(traced, eager)
+    assert torch.equal(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_graph_replays_decode_steps_with_new_lengths():
+    """A decode step captured once replays with cache_seqlens updated in place (no host read in the call)."""
+    case = Case(
+        "graph",
+        seqlens=(100, 900),
+        n_q=1,
+        n_new=1,
+        heads=8,
+        heads_k=2,
+        head_dim=128,
+        capacity=2048,
+        page_size=256,
+        rotary_dim=64,
+        dtype=torch.bfloat16,
+        options=dict(causal=True),
+    )
+    inputs = _inputs(case, "cuda")
+    kwargs = dict(inputs.kwargs)
+    seqlens = kwargs.pop("cache_seqlens")
+    k_cache, v_cache = inputs.k_cache.clone(), inputs.v_cache.clone()
+
+    def step():
+        return flash_attn_with_kvcache(inputs.q, k_cache, v_cache, inputs.k, inputs.v, cache_seqlens=seqlens, **kwargs)
+
+    step()  # compiles the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for lengths in ((7, 1500), (2000, 0)):
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        saved = k_cache.clone(), v_cache.clone()
+        graph.replay()
+        replayed = out.clone(), k_cache.clone(), v_cache.clone()
+        k_cache.copy_(saved[0])
+        v_cache.copy_(saved[1])
+        eager = step()
+        assert torch.equal(replayed[0], eager)
+        assert torch.equal(replayed[1], k_cache) and torch.equal(replayed[2], v_cache)
