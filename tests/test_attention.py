@@ -154,6 +154,30 @@ def test_rows_without_keys_are_zero_not_nan(backend, shape):
     assert q.grad[:, empty:].abs().amax() > 0
 
 
+@pytest.mark.parametrize("backend,shape", target_params(ONE_SHAPE), indirect=["backend"])
+def test_unused_lse_gradient_is_zero(backend, shape):
+    """An eager call whose LSE gets no gradient runs the backward on shared zeros for dLSE (ops._shared_zeros): the
+    gradients equal those of an explicit zero dLSE, and a call with a dLSE between two such calls leaves them be."""
+    q, k, v = random_qkv(shape, torch.float16, backend.device)
+    dout = torch.randn(q.shape, dtype=q.dtype, device=q.device)
+
+    def grads(lse_weight):
+        out, lse, _ = flash_attn_func(q, k, v, causal=True, deterministic=True, return_attn_probs=True)
+        outputs, gradients = [out], [dout]
+        if lse_weight is not None:
+            outputs.append(lse[lse.isfinite()])
+            gradients.append(torch.full_like(outputs[-1], lse_weight))
+        return torch.autograd.grad(outputs, (q, k, v), gradients)
+
+    unused = grads(None)
+    for a, b in zip(unused, grads(0.0), strict=True):
+        assert torch.equal(a, b)
+    with_lse = grads(0.5)
+    assert not torch.equal(with_lse[0], unused[0])
+    for a, b in zip(unused, grads(None), strict=True):
+        assert torch.equal(a, b)
+
+
 # ONE_SHAPE's (in the interpreter with fewer heads: the test makes six calls), and causal spans of 2048 keys in whole
 # tiles: the sm90 fused backward, which adds dQ up by TMA reductions (at D=256 with the warpgroups splitting D, its
 # deterministic form the portable kernels)

@@ -12,7 +12,7 @@ import torch
 
 from flashtriton import flash_attn_with_kvcache, route
 from flashtriton.kernels import config
-from flashtriton.reference import attention_reference, rotary_reference
+from flashtriton.reference import rotary_reference
 from helpers import TARGETS, assert_close_to_reference, target_params
 
 
@@ -73,6 +73,13 @@ def _cases(tiny: bool) -> list[Case]:
         "alibi-causal": replace(base, alibi=True, n_q=3, n_new=1, options=dict(causal=True)),
         "head-dim-20": replace(base, head_dim=20, rotary_dim=12, n_q=2, n_new=2, options=dict(causal=True)),
         "head-dim-256-bf16": replace(base, head_dim=256, heads=2, heads_k=1, n_q=2, dtype=torch.bfloat16),
+        "gqa-16-rows-80": replace(base, heads=16, heads_k=1, n_q=5, n_new=5, options=dict(causal=True)),
+        "append-20": replace(base, seqlens=(5, 17), n_new=20, n_q=1),
+        "rotary-leftpad": replace(base, leftpad=(2, 10), rotary_dim=8, n_q=2, n_new=2, options=dict(causal=True)),
+        # a window of the capacity or more is none: no mask, so the queries share one rotary position
+        "window-of-capacity": replace(
+            base, rotary_dim=8, n_q=2, n_new=2, options=dict(window_size=(base.capacity, base.capacity))
+        ),
         # sequence 0's second new row lands past the cache: dropped; its second query's rotary position is past the
         # cos / sin table: left unrotated
         "past-capacity": replace(
@@ -177,33 +184,46 @@ def _expected(case: Case, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def _reference(case: Case, inputs: Inputs, k: torch.Tensor, v: torch.Tensor, compute_dtype):
-    """out, lse of the reference over each sequence's keys (the dense K, V rows [leftpad, seqlens + n_new))."""
+    """out, lse of attention over each sequence's whole dense cache k, v (batch, capacity, nheads_k, headdim) under a
+    mask in absolute cache rows, as flash_attn's own kvcache test builds it (not the library's key slices): key row r
+    counts iff leftpad <= r < seqlen + n_new and r is in the cache; query i sits at row seqlen + n_new - n_q + i (the
+    append's end, whether or not it fit) for causal, the window and ALiBi; a window bound of the capacity or more is
+    none. compute_dtype None: in the inputs' dtype (plain attention's error)."""
     kwargs, q = inputs.kwargs, inputs.q
-    seqlens = _seqlens(case)
+    dtype = compute_dtype or q.dtype
+    device, capacity = q.device, case.capacity
+    seqlens = torch.tensor(_seqlens(case), device=device)[:, None]
+    leftpad = torch.tensor(case.leftpad or [0] * case.batch, device=device)[:, None]
     causal = case.options.get("causal", False)
-    window = case.options.get("window_size", (-1, -1))
+    left, right = case.options.get("window_size", (-1, -1))
+    right = 0 if causal else right
+    left, right = (-1 if bound >= capacity else bound for bound in (left, right))
     if case.rotary_dim:
-        step = int(causal or window != (-1, -1))
-        positions = torch.tensor(seqlens, device=q.device)[:, None] + step * torch.arange(case.n_q, device=q.device)
+        step = int(left >= 0 or right >= 0)  # flash_attn's rule: per-row query positions only under a mask
+        positions = seqlens + step * torch.arange(case.n_q, device=device)
         q = rotary_reference(q, kwargs["rotary_cos"], kwargs["rotary_sin"], positions, case.interleaved)
-    outs, lses = [], []
-    for b in range(case.batch):
-        keys = slice(case.leftpad[b] if case.leftpad else 0, min(seqlens[b] + case.n_new, case.capacity))
-        slopes = kwargs["alibi_slopes"][b] if case.alibi else None
-        out, lse = attention_reference(
-            q[b : b + 1],
-            k[b : b + 1, keys],
-            v[b : b + 1, keys],
-            case.options.get("softmax_scale"),
-            causal,
-            compute_dtype,
-            window_size=window,
-            softcap=case.options.get("softcap", 0.0),
-            alibi_slopes=slopes,
-        )
-        outs.append(out)
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses)
+    group = case.heads // case.heads_k
+    k, v = (x.repeat_interleave(group, dim=2).to(dtype) for x in (k, v))
+    scale = case.options.get("softmax_scale") or case.head_dim**-0.5
+    scores = torch.einsum("bihd,bjhd->bhij", q.to(dtype), k) * scale
+    softcap = case.options.get("softcap", 0.0)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    rows = torch.arange(capacity, device=device)[None, None, :]  # (1, 1, r)
+    query_rows = (seqlens + case.n_new - case.n_q + torch.arange(case.n_q, device=device))[:, :, None]  # (b, i, 1)
+    if case.alibi:
+        slopes = kwargs["alibi_slopes"].to(dtype)[:, :, None, None]
+        scores = scores - slopes * (query_rows - rows).abs()[:, None].to(dtype)
+    valid = (rows >= leftpad[:, :, None]) & (rows < torch.clamp(seqlens + case.n_new, max=capacity)[:, :, None])
+    if right >= 0:
+        valid = valid & (rows <= query_rows + right)
+    if left >= 0:
+        valid = valid & (rows >= query_rows - left)
+    scores = scores.masked_fill(~valid[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (b, h, i); -inf where a row sees no key
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("bhij,bjhd->bihd", probs, v)
+    return out, lse.masked_fill(lse.isneginf(), float("inf")).float()
 
 
 def _call(inputs: Inputs, num_splits: int):
@@ -271,9 +291,12 @@ def test_rows_without_keys_are_zero_with_infinite_lse(backend, case):
 
 @pytest.mark.parametrize("backend,case", target_params(ONE), indirect=["backend"])
 def test_chosen_splits_and_no_lse_give_the_same_out(backend, case):
-    """num_splits=0 (the table's choice) and return_softmax_lse=False agree with explicit splits to rounding."""
-    case = replace(case, seqlens=(30, 3), n_q=2, n_new=2)
+    """num_splits=0 (the table's choice: a split cache, one sequence of one K/V head on a 512-row cache) and
+    return_softmax_lse=False agree with explicit splits to rounding."""
+    case = replace(case, seqlens=(500,), n_q=2, n_new=2, heads_k=1, capacity=max(case.capacity, 512))
     inputs = _inputs(case, backend.device)
+    if backend.name != "cpu-torch":
+        assert route.decode(inputs.q, case.capacity, case.heads_k, 0).config.splits > 1
     ours, _, _, _ = _call(inputs, 1)
     chosen, _, _, _ = _call(inputs, 0)
     torch.testing.assert_close(chosen, ours, atol=2e-3, rtol=0)
@@ -325,6 +348,25 @@ ERRORS = {
     "gqa": (lambda q, kc, vc: (q[:, :, :3], kc, vc), {}, ValueError, "multiple of k heads"),
     "cache-batch": (lambda q, kc, vc: (q, kc[:1], vc[:1]), {}, ValueError, "pass cache_batch_idx"),
     "seqlen-q-0": (lambda q, kc, vc: (q[:, :0], kc, vc), {}, ValueError, "seqlen_q = 0"),
+    "no-heads": (lambda q, kc, vc: (q[:, :, :0], kc, vc), {}, ValueError, "0 heads"),
+    "k-dtype": (
+        lambda q, kc, vc: (q, kc, vc, torch.randn(2, 1, 2, 16).half(), torch.randn(2, 1, 2, 16)),
+        {"cache_seqlens": 3},
+        ValueError,
+        "pass k.to",
+    ),
+    "batch-idx-int64": (
+        lambda q, kc, vc: (q, kc, vc),
+        {"cache_batch_idx": torch.zeros(2, dtype=torch.long)},
+        TypeError,
+        "cache_batch_idx must be int32",
+    ),
+    "block-table-rows": (
+        lambda q, kc, vc: (q, kc, vc),
+        {"block_table": torch.zeros(3, 2, dtype=torch.int32)},
+        ValueError,
+        "one per sequence",
+    ),
     "cache-stride": (
         lambda q, kc, vc: (q, kc.transpose(-1, -2).contiguous().transpose(-1, -2), vc),
         {},

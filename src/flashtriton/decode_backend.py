@@ -13,12 +13,16 @@ import torch
 import triton
 
 from . import route
+from .cache_args import KVCache
 from .kernels import config
 from .kernels.decode import append_kv_kernel, decode_combine_kernel, decode_split_kernel
-from .kvcache import KVCache
+from .launch import Launcher, cdiv
 from .params import NO_BOUND, AttentionParams
 
 LOG2E = 1.0 / math.log(2.0)
+
+# launch.Launcher skips Triton's per-call argument binding: most of a decode step's host time otherwise
+_APPEND, _SPLIT, _COMBINE = map(Launcher, (append_kv_kernel, decode_split_kernel, decode_combine_kernel))
 
 
 def _last_dim_contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -45,8 +49,8 @@ def _append(cache: KVCache, cfg: config.DecodeConfig) -> None:
     """k_new (rotated) and v_new into the cache rows cache_seqlens[b] + j, in place."""
     k_new, v_new = _last_dim_contiguous(cache.k_new), _last_dim_contiguous(cache.v_new)
     batch, n_new, heads_k, head_dim = k_new.shape
-    grid = (triton.cdiv(n_new, cfg.block_n), batch * heads_k)
-    append_kv_kernel[grid](
+    grid = (batch * heads_k, cdiv(n_new, cfg.block_n))
+    _APPEND[grid](
         k_new, v_new, cache.k_cache, cache.v_cache, cache.cache_seqlens, cache.cache_batch_idx,
         *k_new.stride()[:3], *v_new.stride()[:3], *cache.k_cache.stride()[:3], *cache.v_cache.stride()[:3],
         N_NEW=n_new, HKV=heads_k, D=head_dim, BLOCK_D=config.block_d(head_dim), BLOCK_N=cfg.block_n,
@@ -87,7 +91,7 @@ def forward(
     scale = p.softmax_scale
     softcap = p.softcap > 0 and scale != 0  # at scale 0 every score is 0, capped or not
     n = cache.capacity + n_q
-    decode_split_kernel[(batch * heads_k, cfg.splits, triton.cdiv(rows, cfg.block_m))](
+    _SPLIT[(batch * heads_k, cfg.splits, cdiv(rows, cfg.block_m))](
         q, cache.k_cache, cache.v_cache, o_split, lse_split, cache.cache_seqlens, cache.cache_batch_idx,
         cache.cache_leftpad, p.alibi_slopes,
         *q.stride()[:3], *cache.k_cache.stride()[:3], *cache.v_cache.stride()[:3], *o_strides, *lse_strides,
@@ -103,7 +107,7 @@ def forward(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pages(cache), **_rotary(cache),
     )  # fmt: skip
     if cfg.splits > 1:
-        decode_combine_kernel[(batch * n_q * heads,)](
+        _COMBINE[(batch * n_q * heads,)](
             o_split, lse_split, out, lse, batch * n_q * heads, n_q, heads, cfg.splits, p.empty_lse,
             D=head_dim, BLOCK_D=config.block_d(head_dim), BLOCK_S=triton.next_power_of_2(cfg.splits),
             num_warps=config.DECODE_COMBINE_WARPS,

@@ -9,8 +9,9 @@ capturable in a CUDA graph: the Triton path is).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from .kvcache import KVCache
+from .cache_args import KVCache
 from .params import AttentionParams
 from .reference import attention_reference, rotary_reference
 from .route import Route
@@ -50,6 +51,11 @@ def forward(
     q: torch.Tensor, cache: KVCache, p: AttentionParams, route: Route
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """out (shaped as q) and the natural-log LSE (batch, nheads, seqlen_q) in fp32, None unless p.write_lse."""
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise ValueError(
+            "flash_attn_with_kvcache on the PyTorch path (fp32 CUDA tensors, or FLASHTRITON_BACKEND=torch) reads "
+            "cache_seqlens on the host and cannot be captured in a CUDA graph: capture fp16 or bf16 calls"
+        )
     if cache.k_new is not None:
         append(cache)
     batch, n_q, heads, _ = q.shape
@@ -63,11 +69,18 @@ def forward(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)
     for b in range(batch):
-        keys = slice(starts[b], min(seqlens[b] + cache.seqlen_new, cache.capacity))
+        # keys up to the append's end: rows it dropped past the cache are masked out but keep the masks' alignment
+        end = seqlens[b] + cache.seqlen_new
+        k_b, v_b = k[b : b + 1, starts[b] : end], v[b : b + 1, starts[b] : end]
+        dropped = max(end - starts[b], 0) - k_b.shape[1]
+        mask = None
+        if dropped > 0:
+            k_b, v_b = (F.pad(x, (0, 0, 0, 0, 0, dropped)) for x in (k_b, v_b))
+            mask = (torch.arange(k_b.shape[1], device=q.device) < k_b.shape[1] - dropped).expand(1, 1, n_q, -1)
         slopes = None if p.alibi_slopes is None else p.alibi_slopes[b]
         out_b, lse_b = attention_reference(
-            q[b : b + 1], k[b : b + 1, keys], v[b : b + 1, keys], p.softmax_scale, compute_dtype=torch.float32,
-            window_size=(p.window_left, p.window_right), softcap=p.softcap, alibi_slopes=slopes,
+            q[b : b + 1], k_b, v_b, p.softmax_scale, compute_dtype=torch.float32,
+            window_size=(p.window_left, p.window_right), softcap=p.softcap, alibi_slopes=slopes, mask=mask,
         )  # fmt: skip
         out[b], lse[b] = out_b[0], lse_b[0]
     return out, lse if p.write_lse else None

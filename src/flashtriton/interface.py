@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from . import dropout, ops
 from .block_mask import BlockMask, create_block_mask
-from .kvcache import KVCache, attention_with_kvcache
+from .cache_args import KVCache
+from .kvcache import attention_with_kvcache
 from .mods import Mod, as_mod, check_differentiable
 from .params import AttentionParams
 from .reference import attention_reference
@@ -441,18 +442,15 @@ def flash_attn_with_kvcache(
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     # flash_attn's: a bound of capacity or more is none, and rotary turns the queries row by row only under a bound
-    left, right = (-1 if w >= capacity else w for w in check_window(window_size))
-    if causal:
-        right = 0
-    slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
+    window = tuple(-1 if w >= capacity else w for w in check_window(window_size))
+    params = _params(
+        q, k_cache, v_cache, softmax_scale, causal, window, softcap, alibi_slopes, 0.0, False, False, q.shape[0]
+    )
+    params = replace(params, write_lse=bool(return_softmax_lse))  # no gradient flows: the LSE only if asked for
     cache = KVCache(
         k_cache, v_cache, k, v, *map(_contiguous, (cache_seqlens, cache_batch_idx, cache_leftpad, block_table)),
-        _contiguous(rotary_cos), _contiguous(rotary_sin), bool(rotary_interleaved), rotate_rows=left >= 0 or right >= 0,
-        num_splits=int(num_splits),
-    )  # fmt: skip
-    params = AttentionParams(
-        softmax_scale=resolve_softmax_scale(softmax_scale, q.shape[-1]), window_left=left, window_right=right,
-        softcap=check_softcap(softcap), alibi_slopes=slopes, write_lse=bool(return_softmax_lse),
+        _contiguous(rotary_cos), _contiguous(rotary_sin), bool(rotary_interleaved),
+        rotate_rows=params.window_left >= 0 or params.window_right >= 0, num_splits=int(num_splits),
     )  # fmt: skip
     out, lse = attention_with_kvcache(q, cache, params)
     return (out, lse) if return_softmax_lse else out

@@ -87,14 +87,35 @@ attention_backward.register_fake(_backward_fake)
 # backward the caller runs (the backward op on the schema's values, or its implementation on the AttentionParams).
 
 
-def _gradients(ctx, dout, dlse, run_backward) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _gradients(
+    ctx, dout, dlse, run_backward, zeros=torch.zeros_like
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v, out, lse = ctx.saved_tensors
     if not lse.numel() and q.numel():
         raise RuntimeError("flashtriton: a call made without an LSE (write_lse=False) has no backward")
     # a caller may use only one of the two outputs
     dout = torch.zeros_like(out) if dout is None else dout
-    dlse = torch.zeros_like(lse) if dlse is None else dlse
+    dlse = zeros(lse) if dlse is None else dlse
     return run_backward(dout, dlse, q, k, v, out, lse)
+
+
+_ZEROS: dict[tuple, torch.Tensor] = {}
+_MAX_ZEROS = 16
+
+
+def _shared_zeros(x: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped as x, one tensor per shape for every eager backward (which only reads dLSE): most calls use out
+    alone, and a fill per call would cost the backward a launch. Inside a CUDA-graph capture a fresh one, whose fill
+    the graph replays."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return torch.zeros_like(x)
+    key = x.shape, x.dtype, x.device
+    zeros = _ZEROS.get(key)
+    if zeros is None:
+        if len(_ZEROS) >= _MAX_ZEROS:
+            _ZEROS.pop(next(iter(_ZEROS)))  # the oldest
+        zeros = _ZEROS[key] = torch.zeros_like(x, memory_format=torch.contiguous_format)
+    return zeros
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -119,12 +140,13 @@ class _EagerAttention(torch.autograd.Function):
         out, lse = forward(q, k, v, params)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.params = params
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: _shared_zeros stands for dLSE
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
-        grads = _gradients(ctx, dout, dlse, lambda *tensors: backward(*tensors, ctx.params))
+        grads = _gradients(ctx, dout, dlse, lambda *tensors: backward(*tensors, ctx.params), _shared_zeros)
         return *grads, None
 
 

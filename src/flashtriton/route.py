@@ -37,13 +37,13 @@ from .params import AttentionParams
 BACKEND_ENV = "FLASHTRITON_BACKEND"
 BACKENDS = ("auto", "triton", "torch")
 
-NONE, TORCH, PORTABLE, HOPPER = "none", "torch", "portable", "hopper"
+NONE, TORCH, PORTABLE, HOPPER, DECODE = "none", "torch", "portable", "hopper", "decode"
 FUSED, PAIR = "fused", "pair"
 
 
 @dataclass(frozen=True)
 class Route:
-    family: str  # NONE, TORCH, PORTABLE or HOPPER
+    family: str  # NONE, TORCH, PORTABLE, HOPPER or DECODE
     config: Any = None  # kernels.config's row for the family (None for none and torch)
     dq: str = ""  # the Hopper backward's dQ: FUSED or PAIR
     key: tuple | None = field(default=None, compare=False)  # the call's layout key, where launches may be replayed
@@ -286,11 +286,6 @@ def _backward(q, k, v, out, dout, p: AttentionParams, gpu: str | None) -> Route:
         sparse=p.sparse,
     )  # fmt: skip
     return Route(PORTABLE, portable)
-
-
-# flash_attn_with_kvcache's attention (kvcache.py): the split-KV decode kernels of kernels/decode.py, or the PyTorch
-# path. Its own family, so that the forward's decisions above stay as they are.
-DECODE = "decode"
 
 
 def decode(

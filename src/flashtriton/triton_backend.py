@@ -24,14 +24,10 @@ from .kernels.backward import (
     attention_backward_preprocess_kernel,
 )
 from .kernels.forward import attention_forward_kernel
-from .launch import Descriptor, Launcher, Plan, Recorder, hooked
+from .launch import Descriptor, Launcher, Plan, Recorder, cdiv, hooked
 from .params import NO_BOUND, AttentionParams, final_lse, lse_shape
 
 LOG2E = 1.0 / math.log(2.0)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv is a constexpr function: several times the host time
 
 
 _GRID_Y = 65535  # CUDA's largest grid along y and z
@@ -43,7 +39,7 @@ def _heads_grid(tiles: int, batch: int, heads: int) -> tuple[int, int, int]:
     programs = batch * heads
     if programs <= _GRID_Y:
         return tiles, programs, 1
-    for z in range(_cdiv(programs, _GRID_Y), min(batch, _GRID_Y) + 1):
+    for z in range(cdiv(programs, _GRID_Y), min(batch, _GRID_Y) + 1):
         if batch % z == 0 and programs // z <= _GRID_Y:
             return tiles, programs // z, z
     raise ValueError(
@@ -188,8 +184,8 @@ def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperFor
     (Bound, tensors), for a Recorder."""
     batch, n, common = _hopper_common(q, k, lse, p, cfg.rows)
     rows = cfg.consumers * cfg.block_m
-    tiles = _cdiv(n, rows)
-    units = (_cdiv(tiles, 2) if common["CAUSAL"] else tiles) * batch * common["H"]
+    tiles = cdiv(n, rows)
+    units = (cdiv(tiles, 2) if common["CAUSAL"] else tiles) * batch * common["H"]
     programs, table, bits = _forward_schedule(batch, common["H"], tiles, units, n, cfg, common, p.varlen, q.device)
     if table is not None:
         recorder.constant("schedule", table)
@@ -235,7 +231,7 @@ def _tile_costs(n: int, tiles: int, cfg: config.HopperForwardConfig, window_left
             first_row = (m * cfg.consumers + w) * cfg.block_m
             if first_row < n:
                 key0 = 0 if window_left is None else max(first_row - window_left, 0) // cfg.block_n
-                keys = max(keys, (_cdiv(min(first_row + cfg.block_m, n), cfg.block_n) - key0) * cfg.block_n)
+                keys = max(keys, (cdiv(min(first_row + cfg.block_m, n), cfg.block_n) - key0) * cfg.block_n)
         costs.append(keys + config.SCHEDULE_TILE_KEYS)
     return tuple(costs)
 
@@ -277,8 +273,8 @@ def _aligned_rows(batch: int, heads: int, rows: int, varlen: bool) -> tuple[int,
     or, varlen, (H, room for each of the B sequences to start aligned among ``rows`` packed rows)."""
     align = config.LSE_ROWS_ALIGN
     if varlen:
-        return heads, (_cdiv(rows, align) + batch) * align
-    return batch, heads, _cdiv(rows, align) * align
+        return heads, (cdiv(rows, align) + batch) * align
+    return batch, heads, cdiv(rows, align) * align
 
 
 def _lse_strides(lse: torch.Tensor | None, varlen: bool) -> tuple[int, int]:
@@ -371,7 +367,7 @@ def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams,
     sums_rows = 0 if dq_sums is None else dq_sums.shape[1]
     if dq_sums is not None:  # TMA reductions of D / 2 columns per warpgroup, split_d's in two pieces
         dq_sums = (_sums_view if cfg.split_d else _fragments_view)(dq_sums, cfg.block_m, cols // 2)
-    heads, blocks = batch * k.shape[2], _cdiv(n, cfg.keys)
+    heads, blocks = batch * k.shape[2], cdiv(n, cfg.keys)
     order_heads = min(max(cfg.order_programs // blocks, 1), config.ORDER_HEADS, heads) if common["CAUSAL"] else 1
     return _DKDV_SM90.bind((blocks * heads,))(
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
@@ -401,7 +397,7 @@ def _hopper_dq(q, k, v, out, dout, lse, dlse, delta, lse_rows, dq, p: AttentionP
     batch, n, common = _hopper_common(q, k, lse, p, cfg.rows)
     tiles = cfg.dq
     stride_rb, stride_rh = _lse_strides(delta, p.varlen)
-    return _DQ_SM90.bind(_heads_grid(_cdiv(n, 2 * tiles.block_m), batch, common["H"]))(
+    return _DQ_SM90.bind(_heads_grid(cdiv(n, 2 * tiles.block_m), batch, common["H"]))(
         _gluon_view(q, tiles.block_m), _gluon_view(k, tiles.block_n), _gluon_view(v, tiles.block_n),
         _gluon_view(dout, tiles.block_m), _gluon_view(dq, tiles.block_m), dq, *_strides(dq, p.varlen), lse, delta,
         lse_rows, out, dlse, *_strides(out, p.varlen), stride_rb=stride_rb, stride_rh=stride_rh,
@@ -462,7 +458,7 @@ def _portable_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.Forward
     heads, head_dim, heads_k = q.shape[2], q.shape[3], k.shape[2]
     runtime, flags = _features(p, n_q + n_k)
     block_m, block_n = _tile(cfg.block_m, p.block_mask, 0), _tile(cfg.block_n, p.block_mask, 1)
-    grid = _heads_grid(_cdiv(n_q, block_m), batch, heads)
+    grid = _heads_grid(cdiv(n_q, block_m), batch, heads)
     block_d = config.block_d(head_dim)
     attention_forward_kernel[grid](
         q, k, v, out, lse, _tma_view(k, block_n, block_d, cfg.tma), _tma_view(v, block_n, block_d, cfg.tma),
@@ -519,7 +515,7 @@ def backward(
     # of whole tiles per batch (a dense sequence may end inside its last)
     dq_sums = None
     if fused:
-        sums_shape = (q.shape[0], _cdiv(q.shape[1], r.config.block_m) * r.config.block_m, *q.shape[2:])
+        sums_shape = (q.shape[0], cdiv(q.shape[1], r.config.block_m) * r.config.block_m, *q.shape[2:])
         dq_sums = recorder.empty("dq_sums", sums_shape, torch.float32, q.device)
     # the gradients in their inputs' layouts, as flash_attn's (a model's (B, H, N, D) storage seen as (B, N, H, D))
     dq, dk, dv = (recorder.empty_like(name, x) for name, x in (("dq", q), ("dk", k), ("dv", v)))
@@ -532,7 +528,7 @@ def backward(
     common = dict(H=heads, D=head_dim, BLOCK_D=block_d)
     lse_strides = _lse_strides(lse, p.varlen)
     block = config.PREPROCESS_BLOCK_M
-    recorder.add(_PREPROCESS.bind(_heads_grid(_cdiv(n_q, block), batch, heads))(
+    recorder.add(_PREPROCESS.bind(_heads_grid(cdiv(n_q, block), batch, heads))(
         out, dout, dlse, delta, dq_sums, lse, lse_rows,
         *_strides(out, p.varlen), *_strides(dout, p.varlen), *_strides(dq if dq_sums is None else dq_sums, p.varlen),
         *lse_strides, *_lse_strides(delta, p.varlen), N_Q=n_q, CU_SEQLENS_Q=p.cu_seqlens_q, BLOCK_M=block,
@@ -552,7 +548,7 @@ def backward(
     )  # fmt: skip
     mask = p.block_mask
     block_m, block_n = _tile(cfg.block_m_kv, mask, 0), _tile(cfg.block_n_kv, mask, 1)
-    attention_backward_dkdv_kernel[_heads_grid(_cdiv(n_k, block_n), batch, heads_k)](
+    attention_backward_dkdv_kernel[_heads_grid(cdiv(n_k, block_n), batch, heads_k)](
         q, k, v, dout, lse, delta, dk, dv,
         _tma_view(q, block_m, block_d, cfg.tma), _tma_view(dout, block_m, block_d, cfg.tma),
         *(s for x in (q, k, v, dout, dk, dv) for s in _strides(x, p.varlen)), *lse_strides,
@@ -561,7 +557,7 @@ def backward(
         num_warps=cfg.num_warps, num_stages=cfg.stages_kv, **_tile_lists(mask, transposed=True), **kernel_args,
     )  # fmt: skip
     block_m, block_n = _tile(cfg.block_m_q, mask, 0), _tile(cfg.block_n_q, mask, 1)
-    attention_backward_dq_kernel[_heads_grid(_cdiv(n_q, block_m), batch, heads)](
+    attention_backward_dq_kernel[_heads_grid(cdiv(n_q, block_m), batch, heads)](
         q, k, v, dout, lse, delta, dq,
         _tma_view(k, block_n, block_d, cfg.tma), _tma_view(v, block_n, block_d, cfg.tma),
         *(s for x in (q, k, v, dout, dq) for s in _strides(x, p.varlen)), *lse_strides,

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .kernels import config
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256  # flash_attn's limit too
 HEAD_DIM_STEP = 8  # the kernels take multiples of it; the public API zero-pads other head dims up to one
@@ -274,9 +276,6 @@ def _check_starts(name: str, cu: torch.Tensor, *, total: int, max_seqlen: int) -
     return True
 
 
-MAX_NUM_SPLITS = 128  # flash_attn_with_kvcache's num_splits: the combine reads one partial row per split
-
-
 def check_kvcache(
     q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, num_splits
 ) -> int:
@@ -291,6 +290,8 @@ def check_kvcache(
     _check_shared(q, k_cache, v_cache, layout)
     if q.shape[1] == 0:
         raise ValueError("q has seqlen_q = 0: pass at least one query, (batch, seqlen_q >= 1, nheads, headdim)")
+    if q.shape[2] == 0:
+        raise ValueError("q has 0 heads: pass at least one, (batch, seqlen_q, nheads >= 1, headdim)")
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dim (it is written in place): pass a cache whose "
@@ -321,9 +322,10 @@ def check_kvcache(
         check_cache_index("cache_leftpad", cache_leftpad, q)
     if rotary_cos is not None or rotary_sin is not None:
         _check_rotary(q, k, rotary_cos, rotary_sin, capacity)
-    if not (_is_int(num_splits) and 0 <= num_splits <= MAX_NUM_SPLITS):
+    if not (_is_int(num_splits) and 0 <= num_splits <= config.DECODE_MAX_SPLITS):
         raise ValueError(
-            f"num_splits must be an int from 0 (choose) to {MAX_NUM_SPLITS}; 1 splits nothing; got {num_splits!r}"
+            f"num_splits must be an int from 0 (choose) to {config.DECODE_MAX_SPLITS}; 1 splits nothing; "
+            f"got {num_splits!r}"
         )
     return capacity
 

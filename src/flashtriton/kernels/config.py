@@ -382,7 +382,7 @@ TORCH_BLOCK_M = 256
 TORCH_BLOCK_N = 512
 
 
-# Split-KV decoding (kernels/decode.py, flash_attn_with_kvcache). Unmeasured starting points: no sweep has run yet.
+# Split-KV decoding (kernels/decode.py, flash_attn_with_kvcache); benchmarks/DECISIONS.md has what was measured.
 @dataclass(frozen=True)
 class DecodeConfig:
     block_m: int  # packed query rows (the query heads of one K/V head x the query positions) per program
@@ -397,7 +397,7 @@ DECODE_MAX_SPLITS = 128  # the most splits: the combine reads one partial row pe
 DECODE_MIN_SPLIT_KEYS = 256  # cache rows per split at least: each split costs a partial write and a combine read
 DECODE_FILL = 0.8  # a grid of this many programs per SM or more runs unsplit
 DECODE_COMBINE_WARPS = 4
-INTERPRETER_SMS = 4  # the SM count the interpreter's split choice assumes, so that tiny tests split
+INTERPRETER_SMS = 4  # the SM count the interpreter's split choice assumes (caches of 512+ rows then split)
 # (max head dim, block_n, num_warps, num_stages) for 2-byte dtypes on CUDA GPUs; fp32 halves block_n
 _DECODE_TABLE = ((64, 128, 4, 2), (128, 64, 4, 2), (256, 32, 4, 1))
 _INTERPRETER_DECODE = DecodeConfig(block_m=MIN_BLOCK, block_n=16, num_warps=1, num_stages=1, splits=1)

@@ -7,9 +7,9 @@ Notation
   CAPACITY     cache rows a sequence may use: the cache's seqlen, or (paged) the block table's width x PAGE_SIZE
   PAGE_SIZE    rows per page of a paged cache: sequence b's row r lives in page BLOCK_TABLE[b, r // PAGE_SIZE] at
                row r % PAGE_SIZE; a contiguous cache's row r is row r of batch row CACHE_BATCH_IDX[b] (or b)
-  start, end   sequence b's keys are its cache rows [start, end): start = CACHE_LEFTPAD[b] (or 0), end =
-               CACHE_SEQLENS[b] + N_NEW (at most CAPACITY); key j is row start + j, N_K = end - start, and the
-               masks are params.py's with offset = N_K - N_Q
+  start, end   sequence b's keys are its cache rows [start, CACHE_SEQLENS[b] + N_NEW) within the CAPACITY:
+               start = CACHE_LEFTPAD[b] (or 0), key j is row start + j, N_K of them; the masks are params.py's with
+               offset = end - N_Q, end = CACHE_SEQLENS[b] + N_NEW - start (rows past the cache, dropped, count)
   D, BLOCK_D   head dim, rounded up to a power of two (columns >= D masked)
   ROWS         GROUP * N_Q packed query rows of one K/V head: row r is query r // GROUP of head hk * GROUP + r % GROUP
   BLOCK_M      packed rows per program; BLOCK_N cache rows per inner step
@@ -19,7 +19,7 @@ Notation
                rotary); INTERLEAVED pairs columns (2i, 2i + 1), else (i, i + ROTARY_DIM / 2)
 
 Kernels and grids
-  append_kv_kernel       (cdiv(N_NEW, BLOCK_N), B * HKV): new K rows (rotated at positions CACHE_SEQLENS[b] + j) and
+  append_kv_kernel       (B * HKV, cdiv(N_NEW, BLOCK_N)): new K rows (rotated at positions CACHE_SEQLENS[b] + j) and
                          V rows into cache rows CACHE_SEQLENS[b] + j
   decode_split_kernel    (B * HKV, SPLITS, cdiv(ROWS, BLOCK_M)): one program attends its packed rows (all GROUP
                          heads of a K/V head, so each K/V tile is read once per split) to its split's keys and
@@ -108,11 +108,11 @@ def append_kv_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(1)
+    pid = tl.program_id(0)  # B * HKV on x, which takes more than y's 65535
     b = (pid // HKV).to(tl.int64)
     hk = (pid % HKV).to(tl.int64)
     stride_nn, stride_wn, stride_kn, stride_vn = wide(stride_nn), wide(stride_wn), wide(stride_kn), wide(stride_vn)
-    j = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.load(CACHE_SEQLENS + b) + j
     # rows past the cache are dropped: cache_seqlens are device values, checked nowhere else
     ok = (j < N_NEW) & (rows >= 0) & (rows < CAPACITY)
@@ -179,7 +179,8 @@ def decode_split_kernel(
     chunk = tl.cdiv(tl.cdiv(N_K, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, N_K)
-    offset = N_K - N_Q
+    end = seqlen + N_NEW - start  # keys as appended: rows dropped past the cache move no mask (offset = end - N_Q)
+    offset = end - N_Q
     if RIGHT:
         last = tl.minimum((m0 + BLOCK_M - 1) // GROUP, N_Q - 1)
         hi = tl.minimum(hi, last + offset + window_right + 1)
@@ -201,7 +202,7 @@ def decode_split_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s, _ = logits(s, i[:, None], keys[None, :], offset, qk_scale, softcap, slope, b, h, N_Q, N_K, (),
                       SOFTCAP, ALIBI, None, None)  # fmt: skip
-        mask = key_ok[None, :] & visible(i, keys, N_Q, N_K, window_left, window_right, LEFT, RIGHT)
+        mask = key_ok[None, :] & visible(i, keys, N_Q, end, window_left, window_right, LEFT, RIGHT)
         s = tl.where(mask, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with no visible key so far keeps m = -inf; shift it by 0 instead (no inf - inf)
