@@ -332,9 +332,7 @@ def check_kvcache(
 
 def _check_new_kv(q, k_cache, k, v) -> None:
     for name, x in (("k", k), ("v", v)):
-        check_tensor(name, x, 4, "(batch, seqlen_new, nheads_k, headdim)")
-        if x.dtype != q.dtype or x.device != q.device:
-            raise ValueError(f"{name} is {x.dtype} on {x.device}, q {q.dtype} on {q.device}: pass {name}.to(q)")
+        _check_like_q(name, x, 4, "(batch, seqlen_new, nheads_k, headdim)", q)
     if k.shape != v.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     expected = (q.shape[0], k.shape[1], *k_cache.shape[2:])
@@ -343,6 +341,12 @@ def _check_new_kv(q, k_cache, k, v) -> None:
             f"k and v must be (batch, seqlen_new, nheads_k, headdim) = {expected} for q's batch and the cache's heads, "
             f"got {tuple(k.shape)}"
         )
+
+
+def _check_like_q(name: str, x, ndim: int, layout: str, q) -> None:
+    check_tensor(name, x, ndim, layout)
+    if x.dtype != q.dtype or x.device != q.device:
+        raise ValueError(f"{name} is {x.dtype} on {x.device}, q {q.dtype} on {q.device}: pass {name}.to(q)")
 
 
 def _check_index(name: str, x, ndim: int, layout: str, q) -> None:
@@ -381,9 +385,7 @@ def _check_rotary(q, k, rotary_cos, rotary_sin, capacity: int) -> None:
     if k is None:
         raise ValueError("rotary_cos / rotary_sin rotate the new k: they need k and v to append (as in flash_attn)")
     for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-        check_tensor(name, x, 2, "(seqlen_ro, rotary_dim / 2)")
-        if x.dtype != q.dtype or x.device != q.device:
-            raise ValueError(f"{name} is {x.dtype} on {x.device}, q {q.dtype} on {q.device}: pass {name}.to(q)")
+        _check_like_q(name, x, 2, "(seqlen_ro, rotary_dim / 2)", q)
     if rotary_cos.shape != rotary_sin.shape:
         raise ValueError(f"rotary_cos {tuple(rotary_cos.shape)} and rotary_sin {tuple(rotary_sin.shape)} must match")
     if not 0 < 2 * rotary_cos.shape[1] <= q.shape[-1]:
