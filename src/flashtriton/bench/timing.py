@@ -137,14 +137,15 @@ def run_case(case: Case, providers, device: torch.device, modes=MODES, rounds: i
     return run_trials([Trial(Result(case, p), device) for p in providers], device, modes, rounds, device_timer)
 
 
-def run_trials(trials: list[Trial], device: torch.device, modes, rounds: int, timer) -> list[Result]:
-    """run_case's rounds on trials made elsewhere, timed by ``timer(device)``; no modes: first calls only."""
+def run_trials(trials: list[Trial], device: torch.device, modes, rounds: int, timer, host_modes=()) -> list[Result]:
+    """run_case's rounds on trials made elsewhere, timed by ``timer(device)``, those of ``host_modes`` by
+    host_timer(device); no modes: first calls only."""
     live = [t for t in trials if t.prepare(modes)]
-    time_all = timer(device)
+    timers = {mode: (host_timer if mode in host_modes else timer)(device) for mode in modes}
     for r in range(rounds):
         shift = r * len(live) // rounds
         for mode in modes:
-            _time_round(time_all, live[shift:] + live[:shift], mode)
+            _time_round(timers[mode], live[shift:] + live[:shift], mode)
     for trial in trials:
         trial.finish()
     if device.type == "cuda":
@@ -240,11 +241,16 @@ class Trial:
         self._drop()
         if result.unavailable is not None:
             return
-        case = result.case
         for mode, times in self.rounds.items():
             result.ms[mode] = statistics.median(times)
             result.ms_rounds[mode] = times
-            result.tflops[mode] = case.flops(mode) / (result.ms[mode] * 1e-3) / 1e12
+        self.rates()
+
+    def rates(self) -> None:
+        """The work per second of each mode timed: FLOPs / time."""
+        result = self.result
+        for mode, ms in result.ms.items():
+            result.tflops[mode] = result.case.flops(mode) / (ms * 1e-3) / 1e12
 
     @contextlib.contextmanager
     def _guard(self):

@@ -191,10 +191,9 @@ class UserTrial(Trial):
         super()._drop()
         self.leaves = None
 
-    def finish(self) -> None:
-        super().finish()
-        if self.result.case.measure == "host":
-            self.result.tflops = {}  # wall time per call is not the kernels'
+    def rates(self) -> None:
+        if self.result.case.measure != "host":  # wall time per call is not the kernels'
+            super().rates()
 
 
 def run_user_case(case: UserCase, providers, device: torch.device, rounds: int) -> list[Result]:
