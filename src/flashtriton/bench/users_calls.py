@@ -201,7 +201,8 @@ def run_user_case(case: UserCase, providers, device: torch.device, rounds: int) 
     memory cases by their first calls only."""
     trials = [UserTrial(Result(case, p), device) for p in providers]
     modes = () if case.measure == "memory" else case.modes
-    return run_trials(trials, device, modes, rounds, host_timer if case.measure == "host" else device_timer)
+    time_all = host_timer(device) if case.measure == "host" else device_timer(device)
+    return run_trials(trials, device, dict.fromkeys(modes, time_all), rounds)
 
 
 def attach_users_ratios(results: list[Result]) -> None:
