@@ -12,11 +12,12 @@ results.json and in the output: B64 L128k D128 (34 GB of cache, 69 GB held) in e
 Peers: cuDNN SDPA and SDPA's FlashAttention-2 backend (enable_gqa) on contiguous (B, H_KV, L, D) copies of the cache,
 their best ordinary setup (paged cases too: neither reads a block table), and FlexAttention compiled for the shape.
 
-On a GPU: 138 cases (144, 6 skipped), estimated at 30-40 minutes, FlexAttention's compiles (one per shape, its
-layouts share it), the host time of the large caches (blocks of 200 calls) and the device timer's L2 flush before
-each of a small case's many calls the larger shares: four parts of under 10 minutes each, --part 1/4, then --part
-2/4 --resume ... (a part cut short resumes like any run). Without a GPU: a tiny case per seqlen_q and layout on the
-CPU (the PyTorch path), SDPA's default as the peer that runs there.
+On a GPU: 138 cases (144, 6 skipped), estimated (a model of the timers, not yet measured) at 23-36 minutes on an
+H100 or H200: the device timer (an L2 flush before each of a small case's many calls), FlexAttention's compiles (one
+per shape, its layouts share it) and the host time (blocks of decode_calls.HOST_CALLS calls; a large cache's are
+device-bound). PARTS parts of 5-8 minutes each: --part 1/5, then --part 2/5 --resume .../results.json, and so on (a
+part cut short resumes like any run). Without a GPU: a tiny case per seqlen_q and layout on the CPU (the PyTorch
+path), SDPA's default as the peer that runs there.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ HEAD_DIMS = (128, 64)
 QUERIES = (1, 4)  # seqlen_q; more than one is causal
 PAGE_SIZES = (0, 16, 256)  # 0: a contiguous cache
 MEMORY_BUDGET = 40 * 10**9  # bytes of K and V a case holds: our cache and the peers' dense copy
-PARTS = 4  # --part K/PARTS on a GPU: each under 10 minutes (the module's docstring)
+PARTS = 5  # --part K/PARTS on a GPU: each under 10 minutes (the module's docstring)
 
 CUDNN, FLASH, FLEX, SDPA = "sdpa-cudnn", "sdpa-flash", "flex", "sdpa"
 QUICK = {"batch": 8, "cache_len": 32768, "head_dim": 128}  # --quick: this shape in every seqlen_q and layout
