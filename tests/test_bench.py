@@ -1,7 +1,7 @@
 """flashtriton bench's timing protocol: providers timed in rounds, the order rotated, their calls taken in turn,
 medians reported, a provider that fails reported as unavailable; --resume refuses a run measured another way;
 the sweep's choices per device, the progress line and the summary; the users suite's cases, its CPU run, its parts,
-host timer and memory ratios."""
+host timer and memory ratios; the decode suite's table, skipped cases, inputs, CPU run and parts."""
 
 import argparse
 import importlib.util
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flashtriton import autotune
-from flashtriton.bench import cli, progress, summary, timing, users, users_calls
+from flashtriton.bench import cli, decode, decode_calls, progress, summary, timing, users, users_calls
 from flashtriton.bench.cases import MODES, OURS, Case, Result, attach_ratios, attention_flops
 from flashtriton.bench.results import environment, load_results, resumable, write_json
 
@@ -520,3 +520,126 @@ def test_users_inputs_reach_flashtriton_in_the_cases_layout(monkeypatch):
     assert q.shape == (documents.seqlen, documents.heads, documents.head_dim)
     assert cu_seqlens_q.tolist() == [0, *itertools.accumulate(documents.documents)]
     assert longest == max(documents.documents)
+
+
+def test_the_decode_suite_lists_every_item():
+    """Every combination of the table's axes is run or named as skipped; only the caches over the budget are
+    skipped; seqlen_q 4 is causal; each case has its peers."""
+    cases, skipped = decode.gpu_cases()
+    table = decode.all_gpu_cases()
+    assert len({c.name for c in table}) == len(table) == 3 * 4 * 2 * 2 * 3
+    assert {(c.batch, c.cache_len, c.head_dim, c.seqlen_q, c.page_size) for c in table} == set(
+        itertools.product((1, 8, 64), (1024, 4096, 32768, 131072), (128, 64), (1, 4), (0, 16, 256))
+    )
+    assert cases == [c for c in table if c.name not in skipped] and len(cases) == 138
+    assert {(c.batch, c.cache_len, c.head_dim) for c in table if c.name in skipped} == {(64, 131072, 128)}
+    assert all(decode.held_bytes(c) <= decode.MEMORY_BUDGET for c in cases)
+    for c in table:
+        assert (c.heads, c.heads_k, c.dtype, c.causal) == (32, 8, "bfloat16", c.seqlen_q == 4)
+        assert c.providers == (OURS, "sdpa-cudnn", "sdpa-flash", "flex")
+    big = next(c for c in table if c.name in skipped)
+    assert big.kv_bytes == 2 * 64 * 131072 * 8 * 128 * 2
+    assert skipped[big.name] == "K and V held 68.7 GB, over the 40 GB budget"
+    assert {(c.seqlen_q, c.page_size) for c in decode.quick(cases)} == set(itertools.product((1, 4), (0, 16, 256)))
+    assert {(c.seqlen_q, c.page_size) for c in decode.cpu_cases()} == set(itertools.product((1, 4), (0, 16, 256)))
+
+
+def test_decode_parts_cover_the_suite_once_and_keep_a_shapes_layouts_together():
+    cases, _ = decode.gpu_cases()
+    for n in range(1, decode.PARTS + 1):
+        parts = [cli.part_of(cases, (k, n), decode.unit) for k in range(1, n + 1)]
+        assert [c for part in parts for c in part] == cases and all(parts)
+        shapes = [{decode.unit(c) for c in part} for part in parts]
+        assert sum(len(s) for s in shapes) == len(set().union(*shapes))  # no shape in two parts
+
+
+def test_the_decode_suite_on_a_gpu_names_what_it_skips():
+    suite = cli.decode_suite(_options("--suite", "decode"), torch.device("cuda"))
+    assert len(suite.cases) == 138 and len(suite.sweep["skipped"]) == 6
+    assert suite.sweep["modes"] == ["fwd", "host"] and suite.sweep["host_calls"] == decode_calls.HOST_CALLS
+    (line,) = [n for n in suite.notes if n.startswith("skipped: ")]
+    assert line.endswith(": K and V held 68.7 GB, over the 40 GB budget") and line.count("b64-l131072") == 6
+    with pytest.raises(SystemExit, match=r"--suite decode chooses its own shapes and modes .*: drop --seqlens"):
+        cli.decode_suite(_options("--suite", "decode", "--seqlens", "128"), CPU)
+
+
+def test_decode_inputs_reach_flashtriton_as_a_cache_and_the_peers_as_its_dense_copy(monkeypatch):
+    """A paged cache: a shuffled block table over every page, read whole (cache_seqlens = L); the peers' dense
+    copy holds each sequence's rows in order; seqlen_q 4 is causal, aligned bottom-right."""
+    seen = []
+    real = decode_calls.flash_attn_with_kvcache
+    monkeypatch.setattr(
+        decode_calls, "flash_attn_with_kvcache", lambda *a, **kw: seen.append((a, kw)) or real(*a, **kw)
+    )
+    case = next(c for c in decode.cpu_cases() if c.page_size == 16 and c.seqlen_q == 4)
+    inputs = decode_calls.DecodeInputs(case, CPU)
+    trial = decode_calls.DecodeTrial(Result(case, OURS), CPU, inputs)
+    assert trial.prepare(decode_calls.MODES) and trial.result.max_error < 1e-5
+    (q, k_cache, v_cache), options = seen[-1]
+    pages = case.batch * case.cache_len // 16
+    assert k_cache.shape == (pages, 16, case.heads_k, case.head_dim) and q.shape == (2, 4, 4, 16)
+    assert sorted(options["block_table"].flatten().tolist()) == list(range(pages))
+    assert options["block_table"].flatten().tolist() != list(range(pages))  # shuffled
+    assert options["cache_seqlens"].tolist() == [case.cache_len] * case.batch and options["causal"]
+    _, k, v = inputs.dense
+    for b in range(case.batch):
+        pages_b = options["block_table"][b].long()
+        for cache, dense in ((k_cache, k), (v_cache, v)):
+            assert torch.equal(dense[b], cache[pages_b].flatten(0, 1).transpose(0, 1)) and dense.is_contiguous()
+    mask = decode_calls._bottom_right_mask(case, q)
+    assert mask.shape == (1, 1, 4, case.cache_len)
+    assert [int((row == 0).sum()) for row in mask[0, 0]] == [case.cache_len - 3 + i for i in range(4)]
+    assert torch.isinf(mask).sum() == 3 + 2 + 1
+
+
+def _decode_run(tmp_path, monkeypatch, *argv) -> dict:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "decode"
+    assert cli.run(_options("--suite", "decode", "--rounds", "1", "--out", str(out), *argv)) == 0
+    return json.loads((out / "results.json").read_text())
+
+
+def test_the_decode_suite_on_a_cpu_writes_results_and_a_table(tmp_path, monkeypatch, capsys):
+    payload = _decode_run(tmp_path, monkeypatch)
+    out, err = capsys.readouterr()
+    assert "no CUDA GPU: a tiny case per seqlen_q and cache layout, float32" in err
+    assert payload["complete"] and payload["sweep"]["suite"] == "decode" and payload["sweep"]["skipped"] == {}
+    assert {"tb_per_s", "case", "ms", "sweep.skipped"} <= set(payload["definitions"])
+    _, results = load_results(str(tmp_path / "decode" / "results.json"))
+    cases = decode.cpu_cases()
+    assert [r.case for r in results if r.provider == OURS] == cases  # read back as the suite's records
+    by = {(r.case, r.provider): r for r in results}
+    for r in results:
+        if r.provider in decode_calls.DECODE_GPU_ONLY:
+            assert r.unavailable == "needs a CUDA GPU" and not r.ms
+            continue
+        assert r.unavailable is None and r.max_error < 1e-5, r
+        assert set(r.ms) == {"fwd", "host"} and all(ms > 0 for ms in r.ms.values()) and not r.tflops
+        assert r.tb_per_s == {"fwd": pytest.approx(r.case.kv_bytes / (r.ms["fwd"] * 1e-3) / 1e12)}
+        if r.provider == OURS:
+            sdpa = by[r.case, "sdpa"]
+            assert r.ratios == {"sdpa": pytest.approx({m: sdpa.ms[m] / r.ms[m] for m in ("fwd", "host")})}
+
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("case"))
+    rows = [line.split() for line in lines[start + 1 : start + 1 + 2 * len(cases)]]
+    assert [tuple(row[:2]) for row in rows] == [(c.name, p) for c in cases for p in (OURS, "sdpa")]
+    for row, r in zip(rows, (by[c, p] for c in cases for p in (OURS, "sdpa")), strict=True):
+        assert float(row[2]) == pytest.approx(r.ms["fwd"], abs=1e-4) and float(row[4]) == pytest.approx(
+            r.ms["host"] * 1e3, abs=0.1
+        )
+        x = by[r.case, OURS].ratios.get(r.provider, {})
+        assert row[5:7] == ([f"{x['fwd']:.2f}", f"{x['host']:.2f}"] if x else ["-", "-"])
+    assert any(line.startswith("unavailable: flex on all 6 cases") for line in lines)
+    assert any(line.startswith("first call, JIT compile included") for line in lines)
+
+
+def test_decode_parts_resume_into_one_results_json(tmp_path, monkeypatch):
+    first = _decode_run(tmp_path, monkeypatch, "--part", "1/2", "--providers", OURS, "sdpa")
+    assert not first["complete"] and first["part"] == "1/2" and first["results"]
+    path = str(tmp_path / "decode" / "results.json")
+    second = _decode_run(tmp_path, monkeypatch, "--part", "2/2", "--providers", OURS, "sdpa", "--resume", path)
+    assert second["complete"] and second["sweep"]["providers"] == [OURS, "sdpa"]
+    ours = [r["case"] for r in second["results"] if r["provider"] == OURS]
+    assert ours == [json.loads(json.dumps(c.__dict__)) for c in decode.cpu_cases()]
+    assert all(r in second["results"] for r in first["results"])  # the first part's rows kept as measured

@@ -1,9 +1,11 @@
-"""A case of the paper sweep or of the users suite, a provider's result on it, the FLOP count and the ratios to our
-results."""
+"""A case of the paper sweep, the users suite or the decode suite, a provider's result on it, the FLOP count and the
+ratios to our results."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 MODES = ("fwd", "bwd", "fwd_bwd")
 OURS = "flashtriton"
@@ -71,16 +73,59 @@ class UserCase:
         return sum(attention_flops(1, self.heads, n, n, self.head_dim, self.causal, mode) for n in lengths)
 
 
-CASE_TYPES = {"paper": Case, "users": UserCase}  # results.json's sweep.suite -> its cases' record
+@dataclass(frozen=True)
+class DecodeCase:
+    """A case of the decode suite (decode.py): seqlen_q queries of each of ``batch`` sequences against cache_len cache
+    rows, all of them attended (cache_seqlens = cache_len, nothing appended): a pure read of K and V.
+
+    page_size 0: a contiguous (batch, cache_len, heads_k, head_dim) cache; otherwise pages of page_size rows, each
+    sequence's in a shuffled block table. causal: aligned bottom-right (the last query sees the whole cache), as
+    speculative decoding's draft tokens."""
+
+    batch: int
+    cache_len: int
+    heads: int
+    heads_k: int
+    head_dim: int
+    seqlen_q: int
+    causal: bool
+    page_size: int
+    providers: tuple[str, ...]
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:  # read back from JSON, the tuple is a list
+        object.__setattr__(self, "providers", tuple(self.providers))
+
+    @property
+    def layout(self) -> str:
+        return f"page{self.page_size}" if self.page_size else "contiguous"
+
+    @property
+    def name(self) -> str:
+        shape = f"b{self.batch}-l{self.cache_len}-h{self.heads}/{self.heads_k}-d{self.head_dim}"
+        return f"{shape}-q{self.seqlen_q}{'-causal' if self.causal else ''}-{self.layout}"
+
+    @property
+    def kv_bytes(self) -> int:
+        """The bytes of K and V that one call reads: every sequence's attended rows, in the cache's dtype."""
+        return 2 * self.batch * self.cache_len * self.heads_k * self.head_dim * getattr(torch, self.dtype).itemsize
+
+    def flops(self, mode: str = "fwd") -> float:
+        """The forward's FLOPs, every query against every row (a causal query misses at most seqlen_q - 1)."""
+        return attention_flops(self.batch, self.heads, self.seqlen_q, self.cache_len, self.head_dim, False, "fwd")
+
+
+CASE_TYPES = {"paper": Case, "users": UserCase, "decode": DecodeCase}  # results.json's sweep.suite -> its records
 
 
 @dataclass
 class Result:
-    case: Case | UserCase
+    case: Case | UserCase | DecodeCase
     provider: str
     ms: dict[str, float] = field(default_factory=dict)
     ms_rounds: dict[str, list[float]] = field(default_factory=dict)
     tflops: dict[str, float] = field(default_factory=dict)
+    tb_per_s: dict[str, float] = field(default_factory=dict)
     ratios: dict[str, dict[str, float]] = field(default_factory=dict)
     peak_extra_mib: float | None = None
     max_error: float | None = None

@@ -1,5 +1,5 @@
-"""``flashtriton bench``'s options and run: the suite's cases (the paper sweep, or the users suite), then each case
-measured and written, then the plot and the table."""
+"""``flashtriton bench``'s options and run: the suite's cases (the paper sweep, the users suite or the decode suite),
+then each case measured and written, then the plot and the table."""
 
 from __future__ import annotations
 
@@ -13,12 +13,24 @@ from pathlib import Path
 
 import torch
 
-from . import users
+from . import decode, decode_calls, users
 from .cases import MODES, Case, attach_ratios
+from .decode_calls import DECODE_DEFINITIONS, DECODE_GPU_ONLY, DECODE_PROVIDERS, run_decode_case
 from .progress import case_weights, progress
 from .providers import GPU_ONLY, PROVIDERS
 from .results import DEFINITIONS, SCHEMA, environment, resumable, write_json
-from .summary import TABLE_LEGEND, USERS_LEGEND, first_calls, format_table, format_users_table, plot, unavailable_lines
+from .summary import (
+    DECODE_LEGEND,
+    TABLE_LEGEND,
+    USERS_LEGEND,
+    first_calls,
+    format_decode_table,
+    format_table,
+    format_users_table,
+    plot,
+    skipped_lines,
+    unavailable_lines,
+)
 from .timing import HOST_PASSES, TIMING, host_calls, run_case
 from .users_calls import USERS_DEFINITIONS, USERS_GPU_ONLY, USERS_PROVIDERS, attach_users_ratios, run_user_case
 
@@ -66,10 +78,17 @@ def sweep_choices(args: argparse.Namespace, device: torch.device) -> tuple[list[
     return head_dims, seqlens, dtype, notes
 
 
+def same_group(case) -> tuple:
+    """The cases --part keeps together in the paper sweep and the users suite: one (group, head dim, causal), so a
+    length and its whole-tile neighbour are timed in one run."""
+    return getattr(case, "group", ""), case.head_dim, case.causal
+
+
 @dataclass
 class Suite:
     """What a run measures: its cases in table order, each case's providers, how a case is run and its ratios
-    attached, the sweep's header, the definitions written beside the results, and notes for stderr."""
+    attached, the sweep's header, the definitions written beside the results, notes for stderr, the table printed
+    last with its legend, and the cases --part keeps together (cases alike under ``unit`` and adjacent)."""
 
     cases: list
     providers_of: Callable[[object], list[str]]
@@ -78,6 +97,9 @@ class Suite:
     sweep: dict
     definitions: dict
     notes: list[str]
+    table: Callable[[list], str]
+    legend: str
+    unit: Callable[[object], tuple] = same_group
 
 
 def paper_suite(args: argparse.Namespace, device: torch.device) -> Suite:
@@ -96,31 +118,46 @@ def paper_suite(args: argparse.Namespace, device: torch.device) -> Suite:
         sweep={**sweep, "timing": TIMING},
         definitions=DEFINITIONS,
         notes=notes,
+        table=lambda results: format_table(results, args.modes),
+        legend=TABLE_LEGEND,
     )
 
 
-def users_suite(args: argparse.Namespace, device: torch.device) -> Suite:
-    """The users suite (users.py): on a GPU its cases (--quick: the first of each group), on a CPU a tiny case of
-    each group. Its shapes and modes are its own: the paper sweep's flags for them are refused."""
+def _refuse_paper_flags(args: argparse.Namespace) -> None:
     paper_flags = {
         "--head-dims": args.head_dims, "--seqlens": args.seqlens,
         "--causal": args.causal != "both", "--modes": args.modes != list(MODES),
     }  # fmt: skip
     given = [flag for flag, value in paper_flags.items() if value]
     if given:
-        raise SystemExit(f"--suite users chooses its own shapes and modes (flashtriton.bench.users): drop {given[0]}")
-    cuda, notes = device.type == "cuda", []
+        module = f"flashtriton.bench.{args.suite}"
+        raise SystemExit(f"--suite {args.suite} chooses its own shapes and modes ({module}): drop {given[0]}")
+
+
+def _chosen(args: argparse.Namespace, available, gpu_only, cuda: bool) -> tuple[list[str], list[str]]:
+    """(the suite's providers that --providers names, all by default; notes on those not run or unavailable)."""
+    notes = []
+    outside = [p for p in args.providers or () if p not in available]  # `demo --suite users`: the paper's
+    if outside:
+        notes.append(f"not in the {args.suite} suite, so not run: {', '.join(outside)}")
+    chosen = [p for p in args.providers or available if p in available]
+    unavailable = [p for p in chosen if p in gpu_only]
+    if not cuda and unavailable:
+        notes.append(f"no CUDA GPU: {', '.join(unavailable)} will be reported unavailable")
+    return chosen, notes
+
+
+def users_suite(args: argparse.Namespace, device: torch.device) -> Suite:
+    """The users suite (users.py): on a GPU its cases (--quick: the first of each group), on a CPU a tiny case of
+    each group. Its shapes and modes are its own: the paper sweep's flags for them are refused."""
+    _refuse_paper_flags(args)
+    cuda = device.type == "cuda"
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     cases = users.gpu_cases(dtype) if cuda else users.cpu_cases(dtype)
     cases = users.first_of_each_group(cases) if args.quick else cases
-    outside = [p for p in args.providers or () if p not in USERS_PROVIDERS]  # `demo --suite users`: the paper's
-    if outside:
-        notes.append(f"not in the users suite, so not run: {', '.join(outside)}")
-    chosen = [p for p in args.providers or USERS_PROVIDERS if p in USERS_PROVIDERS]
+    chosen, notes = _chosen(args, USERS_PROVIDERS, USERS_GPU_ONLY, cuda)
     if not cuda:
-        unavailable = [p for p in chosen if p in USERS_GPU_ONLY]
         notes.append(f"no CUDA GPU: a tiny case of each users group, {dtype}")
-        notes += [f"no CUDA GPU: {', '.join(unavailable)} will be reported unavailable"] if unavailable else []
     sweep = {"suite": "users", "modes": list(users.BOTH), "providers": chosen, "dtype": dtype, "rounds": args.rounds}
     sweep.update(timing=TIMING, host_calls=host_calls(device), host_passes=HOST_PASSES)
 
@@ -135,17 +172,53 @@ def users_suite(args: argparse.Namespace, device: torch.device) -> Suite:
         sweep=sweep,
         definitions=USERS_DEFINITIONS,
         notes=notes,
+        table=format_users_table,
+        legend=USERS_LEGEND,
     )
 
 
-def part_of(cases: list, part: tuple[int, int] | None) -> list:
-    """The K-th of N parts of the cases, in order: the cases of one (group, head dim, causal) stay together (a
-    length and its whole-tile neighbour are timed in one run), each such unit in the part that holds its middle."""
+def decode_suite(args: argparse.Namespace, device: torch.device) -> Suite:
+    """The decode suite (decode.py): on a GPU its cases within the memory budget (--quick: one shape), the others
+    named as skipped; on a CPU a tiny case per seqlen_q and layout. Its shapes are its own, as the users suite's."""
+    _refuse_paper_flags(args)
+    cuda = device.type == "cuda"
+    dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    cases, skipped = decode.gpu_cases(dtype) if cuda else (decode.cpu_cases(dtype), {})
+    cases = decode.quick(cases) if args.quick and cuda else cases
+    chosen, notes = _chosen(args, DECODE_PROVIDERS, DECODE_GPU_ONLY, cuda)
+    if not cuda:
+        notes.append(f"no CUDA GPU: a tiny case per seqlen_q and cache layout, {dtype}")
+    notes += skipped_lines(skipped)
+    sweep = {"suite": "decode", "modes": list(decode_calls.MODES), "providers": chosen, "dtype": dtype}
+    sweep.update(rounds=args.rounds, timing=TIMING, host_calls=host_calls(device, decode_calls.HOST_CALLS))
+    sweep.update(host_passes=HOST_PASSES)
+    sweep.update(memory_budget_bytes=decode.MEMORY_BUDGET, skipped=skipped)
+
+    def providers_of(case):
+        return [p for p in case.providers if p in chosen]
+
+    return Suite(
+        cases=cases,
+        providers_of=providers_of,
+        run_case=lambda case: run_decode_case(case, providers_of(case), device, args.rounds),
+        attach=attach_ratios,
+        sweep=sweep,
+        definitions=DECODE_DEFINITIONS,
+        notes=notes,
+        table=format_decode_table,
+        legend=DECODE_LEGEND,
+        unit=decode.unit,
+    )
+
+
+def part_of(cases: list, part: tuple[int, int] | None, unit: Callable[[object], tuple] = same_group) -> list:
+    """The K-th of N parts of the cases, in order: adjacent cases alike under ``unit`` stay together, each such unit
+    in the part that holds its middle."""
     if part is None:
         return cases
     k, n = part
     chosen, start = [], 0
-    for _, together in itertools.groupby(cases, key=lambda c: (getattr(c, "group", ""), c.head_dim, c.causal)):
+    for _, together in itertools.groupby(cases, key=unit):
         unit = list(together)
         if int((start + len(unit) / 2) * n / len(cases)) == k - 1:
             chosen += unit
@@ -167,20 +240,27 @@ def _at_least_one(text: str) -> int:
     return value
 
 
+ALL_PROVIDERS = dict.fromkeys([*PROVIDERS, *USERS_PROVIDERS, *DECODE_PROVIDERS])
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench's options (``flashtriton bench`` and ``flashtriton demo``)."""
     parser.add_argument(
         "--suite",
-        choices=["paper", "users"],
+        choices=["paper", "users", "decode"],
         default="paper",
         help="paper (default): the FlashAttention-2 paper's sweep; users: a model's layout, GQA, lengths inside a "
         "tile, ragged documents, short N, host time per call and peak memory, against cuDNN SDPA and FlexAttention "
-        "(fwd and fwd+bwd with fresh gradients; no plot; the shape flags below are the paper sweep's)",
+        "(fwd and fwd+bwd with fresh gradients); decode: flash_attn_with_kvcache reading contiguous and paged caches "
+        "(bandwidth, device and host time per call) against cuDNN SDPA, SDPA's FlashAttention-2 and FlexAttention "
+        f"(about {decode.PARTS} parts of under 10 minutes on a GPU). users and decode: no plot; the shape flags below "
+        "are the paper sweep's",
     )
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="one head dim and one length unless given (what `demo` runs); users: the first case of each group",
+        help="one head dim and one length unless given (what `demo` runs); users: the first case of each group; "
+        "decode: one shape",
     )
     parser.add_argument(
         "--head-dims", type=int, nargs="+", help="default 64 128 256 (CPU: 64; --quick: 128 on a GPU, 64 on a CPU)"
@@ -194,9 +274,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--providers",
         nargs="+",
-        choices=list(dict.fromkeys([*PROVIDERS, *USERS_PROVIDERS])),
+        choices=list(ALL_PROVIDERS),
         metavar="PROVIDER",
-        help=f"any of {', '.join(dict.fromkeys([*PROVIDERS, *USERS_PROVIDERS]))} (default: all the suite's)",
+        help=f"any of {', '.join(ALL_PROVIDERS)} (default: all the suite's)",
     )
     parser.add_argument(
         "--rounds", type=_at_least_one, default=3, help="timing rounds per case, the provider order rotated (default 3)"
@@ -223,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
     and the table."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     paper = args.suite == "paper"
-    suite = paper_suite(args, device) if paper else users_suite(args, device)
+    suite = {"paper": paper_suite, "users": users_suite, "decode": decode_suite}[args.suite](args, device)
     cases, notes = suite.cases, suite.notes
 
     out = Path(args.out).resolve()
@@ -231,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
     json_path = str(out / "results.json")
     plot_path, plot_skipped = str(out / "bench.png"), None
     if not paper:
-        plot_skipped = "the users suite draws none"
+        plot_skipped = f"the {args.suite} suite draws none"
     elif args.no_plots:
         plot_skipped = "--no-plots"
     elif importlib.util.find_spec("matplotlib") is None:
@@ -249,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
     results = []
     if args.resume:
         header["resumed_environment"], results = resumable(args.resume, env, suite.sweep, cases, suite.providers_of)
-    todo = [c for c in part_of(cases, args.part) if c not in {r.case for r in results}]
+    todo = [c for c in part_of(cases, args.part, suite.unit) if c not in {r.case for r in results}]
     for case in progress(todo, case_weights(todo, device)):
         results += suite.run_case(case)
         suite.attach(results)
@@ -261,11 +341,11 @@ def run(args: argparse.Namespace) -> int:
         title = f"{env.get('gpu', device)}, {suite.sweep['dtype']}, flashtriton {source}"
         plot([asdict(r) for r in results], args.modes, plot_path, title)
 
-    for line in unavailable_lines(results):
+    for line in unavailable_lines(results) + skipped_lines(suite.sweep.get("skipped", {})):
         print(line)
-    print(format_table(results, args.modes) if paper else format_users_table(results))
-    print(TABLE_LEGEND if paper else USERS_LEGEND)
-    print(first_calls(results))
+    print(suite.table(results))
+    print(suite.legend)
+    print(first_calls(results, "first call" if args.suite == "decode" else "first fwd+bwd call"))
     print(f"results: {json_path}")
     if paper:
         print(f"plot: {plot_path}" if plot_skipped is None else f"plot: skipped ({plot_skipped})")

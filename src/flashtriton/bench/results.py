@@ -30,6 +30,7 @@ DEFINITIONS = {
     "ms_rounds": "per mode, each round's milliseconds; the provider that starts a round's passes rotates from round "
     "to round",
     "tflops": "FLOPs / time; FLOPs = 4*B*H*N*N*D (x0.5 causal) for fwd, x2.5 for bwd, x3.5 for fwd_bwd",
+    "tb_per_s": "the decode suite's bandwidth (empty elsewhere)",
     "ratios": f"{OURS} rows only: ratios[peer][mode] = peer ms / {OURS} ms (> 1: {OURS} is faster)",
     "peak_extra_mib": "allocator peak during one fwd+bwd beyond what was allocated before it (CUDA only)",
     "max_error": "max abs difference of the forward output from an fp32 reference, first (batch, head)",

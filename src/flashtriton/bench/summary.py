@@ -1,5 +1,5 @@
 """What a run prints and draws at its end: the table of our results and ratios, its legend, the first calls, what
-was unavailable, and the TFLOP/s plot."""
+was unavailable or skipped, and the TFLOP/s plot."""
 
 from __future__ import annotations
 
@@ -69,15 +69,53 @@ USERS_LEGEND = (
 )
 
 
-def first_calls(results: list[Result]) -> str:
-    """Each provider's slowest first call (compile included) over the cases, on one line."""
+def _rate(x: float) -> str:
+    return f"{x:.2f}" if x >= 0.1 else f"{x:.2g}"  # a CPU's are thousandths
+
+
+def format_decode_table(results: list[Result]) -> str:
+    """The decode suite's table: a row per case and provider that ran, ours first: device ms, TB/s, host us per call,
+    and on a peer's row its ratios to ours (peer / ours: device time, host time)."""
+    ours = {r.case: r for r in results if r.provider == OURS}
+    header = f"{'case':<45}{'provider':<13}{'ms':>10}{'TB/s':>8}{'host us':>9}{'x ms':>7}{'x host':>7}{'max err':>9}"
+    lines = [header]
+    for case in dict.fromkeys(r.case for r in results):
+        rows = sorted((r for r in results if r.case == case and r.ms), key=lambda r: r.provider != OURS)
+        for r in rows:
+            ratios = ours[case].ratios.get(r.provider, {}) if case in ours and r.provider != OURS else {}
+            x_ms, x_host = (f"{ratios[m]:.2f}" if m in ratios else "-" for m in ("fwd", "host"))
+            row = f"{case.name:<45}{r.provider:<13}{r.ms['fwd']:>10.4f}{_rate(r.tb_per_s['fwd']):>8}"
+            lines.append(row + f"{r.ms['host'] * 1e3:>9.1f}{x_ms:>7}{x_host:>7}{r.max_error:>9.1e}")
+    return "\n".join(lines)
+
+
+DECODE_LEGEND = (
+    "ms: device time per call (median; L2 flushed before each call, every provider's calls in turn); TB/s: the bytes\n"
+    "of K and V attended (2 * B * L * H_KV * D * itemsize) / ms; host us: wall time per call over blocks of calls\n"
+    f"with one synchronize; x ms, x host: peer / {OURS} (above 1: {OURS} is faster). q4 cases are causal, aligned\n"
+    "bottom-right. sdpa-cudnn and sdpa-flash (SDPA pinned to cuDNN or FlashAttention-2, enable_gqa) and flex\n"
+    "(FlexAttention compiled for the shape) read contiguous (B, H_KV, L, D) copies of the cache, paged cases too;\n"
+    "sdpa: SDPA's own choice (CPU runs)"
+)
+
+
+def skipped_lines(skipped: dict[str, str]) -> list[str]:
+    """One line per reason: the cases of the suite's table not run."""
+    names: dict[str, list[str]] = {}
+    for name, why in skipped.items():
+        names.setdefault(why, []).append(name)
+    return [f"skipped: {', '.join(cases)}: {why}" for why, cases in names.items()]
+
+
+def first_calls(results: list[Result], call: str = "first fwd+bwd call") -> str:
+    """Each provider's slowest first ``call`` (compile included) over the cases, on one line."""
     timed = [r for r in results if r.first_call_s is not None]
     slowest = {
         p: max((r for r in timed if r.provider == p), key=lambda r: r.first_call_s)
         for p in dict.fromkeys(r.provider for r in timed)
     }
     parts = [f"{p} {r.first_call_s:.2f} s ({r.case.name})" for p, r in slowest.items()]
-    return "first fwd+bwd call, JIT compile included, slowest case: " + (", ".join(parts) or "none ran")
+    return f"{call}, JIT compile included, slowest case: " + (", ".join(parts) or "none ran")
 
 
 def unavailable_lines(results: list[Result]) -> list[str]:

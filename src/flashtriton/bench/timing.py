@@ -67,15 +67,15 @@ def _cpu_in_turn(calls: list[Callable]) -> list[float]:
     return [statistics.median(ms) for ms in _in_turn(len(calls), 3, timed)]
 
 
-def host_calls(device: torch.device) -> int:
-    return HOST_CALLS if device.type == "cuda" else CPU_HOST_CALLS
+def host_calls(device: torch.device, gpu_calls: int = HOST_CALLS) -> int:
+    return gpu_calls if device.type == "cuda" else CPU_HOST_CALLS
 
 
-def host_timer(device: torch.device) -> Callable[[list[Callable]], list[float]]:
-    """``time_all(calls)``: each call's median wall milliseconds per call over blocks of host_calls(device) calls
-    with no synchronize between them, one after the block: where the device keeps up, the host's time per call. The
-    calls are taken block by block in turn. Raises _CallFailed for a call that raises."""
-    block_calls = host_calls(device)
+def host_timer(device: torch.device, gpu_calls: int = HOST_CALLS) -> Callable[[list[Callable]], list[float]]:
+    """``time_all(calls)``: each call's median wall milliseconds per call over blocks of host_calls(device,
+    gpu_calls) calls with no synchronize between them, one after the block: where the device keeps up, the host's
+    time per call. The calls are taken block by block in turn. Raises _CallFailed for a call that raises."""
+    block_calls = host_calls(device, gpu_calls)
 
     def synchronize():
         if device.type == "cuda":
@@ -134,17 +134,19 @@ def run_case(case: Case, providers, device: torch.device, modes=MODES, rounds: i
     """Every provider on one case: each one's first call, error and memory, then ``rounds`` timing rounds of
     each mode, the providers timed together (device_timer), the first of them rotated from round to round. A mode's
     ms is the median over the rounds."""
-    return run_trials([Trial(Result(case, p), device) for p in providers], device, modes, rounds, device_timer)
+    trials = [Trial(Result(case, p), device) for p in providers]
+    return run_trials(trials, device, dict.fromkeys(modes, device_timer(device)), rounds)
 
 
-def run_trials(trials: list[Trial], device: torch.device, modes, rounds: int, timer) -> list[Result]:
-    """run_case's rounds on trials made elsewhere, timed by ``timer(device)``; no modes: first calls only."""
+def run_trials(trials: list[Trial], device: torch.device, timers: dict[str, Callable], rounds: int) -> list[Result]:
+    """run_case's rounds on trials made elsewhere: each mode of ``timers`` timed by its timer (a device_timer's or a
+    host_timer's time_all); no modes: first calls only."""
+    modes = list(timers)
     live = [t for t in trials if t.prepare(modes)]
-    time_all = timer(device)
     for r in range(rounds):
         shift = r * len(live) // rounds
         for mode in modes:
-            _time_round(time_all, live[shift:] + live[:shift], mode)
+            _time_round(timers[mode], live[shift:] + live[:shift], mode)
     for trial in trials:
         trial.finish()
     if device.type == "cuda":
@@ -240,11 +242,16 @@ class Trial:
         self._drop()
         if result.unavailable is not None:
             return
-        case = result.case
         for mode, times in self.rounds.items():
             result.ms[mode] = statistics.median(times)
             result.ms_rounds[mode] = times
-            result.tflops[mode] = case.flops(mode) / (result.ms[mode] * 1e-3) / 1e12
+        self.rates()
+
+    def rates(self) -> None:
+        """The work per second of each mode timed: FLOPs / time."""
+        result = self.result
+        for mode, ms in result.ms.items():
+            result.tflops[mode] = result.case.flops(mode) / (ms * 1e-3) / 1e12
 
     @contextlib.contextmanager
     def _guard(self):

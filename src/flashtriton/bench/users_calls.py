@@ -191,10 +191,9 @@ class UserTrial(Trial):
         super()._drop()
         self.leaves = None
 
-    def finish(self) -> None:
-        super().finish()
-        if self.result.case.measure == "host":
-            self.result.tflops = {}  # wall time per call is not the kernels'
+    def rates(self) -> None:
+        if self.result.case.measure != "host":  # wall time per call is not the kernels'
+            super().rates()
 
 
 def run_user_case(case: UserCase, providers, device: torch.device, rounds: int) -> list[Result]:
@@ -202,7 +201,8 @@ def run_user_case(case: UserCase, providers, device: torch.device, rounds: int) 
     memory cases by their first calls only."""
     trials = [UserTrial(Result(case, p), device) for p in providers]
     modes = () if case.measure == "memory" else case.modes
-    return run_trials(trials, device, modes, rounds, host_timer if case.measure == "host" else device_timer)
+    time_all = host_timer(device) if case.measure == "host" else device_timer(device)
+    return run_trials(trials, device, dict.fromkeys(modes, time_all), rounds)
 
 
 def attach_users_ratios(results: list[Result]) -> None:
