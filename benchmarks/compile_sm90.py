@@ -79,20 +79,20 @@ def compile_only():
         built.append((self.fn.__name__, *_usage(kernel)))
         return kernel
 
-    arch, interpreting, sm_count = route.arch, route.interpreting, triton_backend._sm_count
+    arch, interpreting, sm_count = route.arch, route.interpreting, route.sm_count
     hook = knobs.runtime.launch_enter_hook
     driver.set_active(_Hopper())
     JITFunction.run = compile_kernel
     knobs.runtime.launch_enter_hook = _no_hook  # flashtriton.launch then always calls JITFunction.run
     route.arch = lambda device: "sm90"
     route.interpreting = lambda: False
-    triton_backend._sm_count = lambda device: 132  # the H200's
+    route.sm_count = lambda device: 132  # the H200's
     try:
         yield built
     finally:
         JITFunction.run, route.arch, route.interpreting = run, arch, interpreting
         knobs.runtime.launch_enter_hook = hook
-        triton_backend._sm_count = sm_count
+        route.sm_count = sm_count
 
 
 def _cases(n: int, head_dim: int) -> dict:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 
 from . import route
 from .cache_args import KVCache
@@ -109,7 +108,7 @@ def forward(
     if cfg.splits > 1:
         _COMBINE[(batch * n_q * heads,)](
             o_split, lse_split, out, lse, batch * n_q * heads, n_q, heads, cfg.splits, p.empty_lse,
-            D=head_dim, BLOCK_D=config.block_d(head_dim), BLOCK_S=triton.next_power_of_2(cfg.splits),
+            D=head_dim, BLOCK_D=config.block_d(head_dim), BLOCK_S=config.next_power_of_2(cfg.splits),
             num_warps=config.DECODE_COMBINE_WARPS,
         )  # fmt: skip
     return out, lse

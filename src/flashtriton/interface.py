@@ -149,16 +149,17 @@ def _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window: tuple[int, 
 
 def _params(
     q, k, v, softmax_scale, causal, window: tuple[int, int], softcap, alibi_slopes, dropout_p, deterministic,
-    return_attn_probs, batch, **extra,
+    return_attn_probs, batch, gradients: bool = True, **extra,
 ) -> AttentionParams:  # fmt: skip
-    """Validated user options as the AttentionParams every backend takes (window: check_window's)."""
+    """Validated user options as the AttentionParams every backend takes (window: check_window's). gradients: False
+    for a call with no backward (its LSE only if asked for)."""
     left, right = window
     check_softcap(softcap)
     check_dropout(dropout_p)
     if causal:
         right = 0  # flash_attn's rule: causal is the window's right edge at the diagonal
     slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, batch, q.shape[-2], q.device)
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    needs_grad = gradients and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     return AttentionParams(
         softmax_scale=resolve_softmax_scale(softmax_scale, q.shape[-1]), window_left=left, window_right=right,
         softcap=float(softcap), alibi_slopes=slopes, dropout_p=float(dropout_p),
@@ -444,9 +445,9 @@ def flash_attn_with_kvcache(
     # flash_attn's: a bound of capacity or more is none, and rotary turns the queries row by row only under a bound
     window = tuple(-1 if w >= capacity else w for w in check_window(window_size))
     params = _params(
-        q, k_cache, v_cache, softmax_scale, causal, window, softcap, alibi_slopes, 0.0, False, False, q.shape[0]
-    )
-    params = replace(params, write_lse=bool(return_softmax_lse))  # no gradient flows: the LSE only if asked for
+        q, k_cache, v_cache, softmax_scale, causal, window, softcap, alibi_slopes, 0.0, False, return_softmax_lse,
+        q.shape[0], gradients=False,
+    )  # fmt: skip
     cache = KVCache(
         k_cache, v_cache, k, v, *map(_contiguous, (cache_seqlens, cache_batch_idx, cache_leftpad, block_table)),
         _contiguous(rotary_cos), _contiguous(rotary_sin), bool(rotary_interleaved),

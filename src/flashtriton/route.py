@@ -293,14 +293,31 @@ def decode(
 ) -> Route:
     """The route of a KV-cache call: q (batch, seqlen_q, nheads, headdim) against caches of ``capacity`` rows per
     sequence and ``heads_k`` K/V heads; ``num_splits`` the caller's (0: the table chooses). ``gpu``, ``sms``: route
-    for that arch's table and SM count instead of q's device (tests)."""
+    for that arch's table and SM count instead of q's device (tests). Remembered by shape: a decode step's host time
+    is of the order of its kernels'."""
+    if gpu is not None or sms is not None:
+        return _decode(q, capacity, heads_k, num_splits, gpu, sms)
+    key = q.shape, q.dtype, q.device, capacity, heads_k, num_splits, os.environ.get(BACKEND_ENV)
+    route = _DECODE_ROUTES.get(key)
+    if route is None:
+        route = _decode(q, capacity, heads_k, num_splits, gpu, sms)
+        if len(_DECODE_ROUTES) >= _MAX_ROUTES:
+            _DECODE_ROUTES.pop(next(iter(_DECODE_ROUTES)))  # the oldest
+        _DECODE_ROUTES[key] = route
+    return route
+
+
+_DECODE_ROUTES: dict[tuple, Route] = {}
+
+
+def _decode(q, capacity: int, heads_k: int, num_splits: int, gpu: str | None, sms: int | None) -> Route:
     if q.numel() == 0:
         return Route(NONE)
     if gpu is None and _backend(q.device, q.dtype) == TORCH:
         return Route(TORCH)
     gpu = gpu or arch(q.device)
     if sms is None:
-        sms = config.INTERPRETER_SMS if gpu == "interpreter" else _sm_count(q.device)
+        sms = config.INTERPRETER_SMS if gpu == "interpreter" else sm_count(q.device)
     batch, n_q, heads, head_dim = q.shape
     rows = heads // heads_k * n_q
     cfg = config.decode_config(gpu, head_dim, run_dtype(q.dtype, gpu), rows, batch * heads_k, capacity, sms, num_splits)
@@ -308,5 +325,6 @@ def decode(
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """The GPU's SM count, read once per device."""
     return torch.cuda.get_device_properties(device).multi_processor_count

@@ -172,11 +172,6 @@ def _keep(key: tuple | None, recorder: Recorder) -> None:
     _PLANS[key] = plan
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperForwardConfig, recorder: Recorder):
     """The persistent Gluon forward: one program per SM (or per tile or work unit, if fewer) loops over its query
     tiles: dense causal, mostly those that schedule.py's table lists for it (the recorder holds the table), otherwise
@@ -213,7 +208,7 @@ def _forward_schedule(
     """(programs, schedule.py's table or None for the kernel's own order, the widths of its entries' tile and head
     fields) of the persistent forward over ``batch`` x ``heads`` heads of ``tiles`` query tiles each (``units`` in the
     kernel's own order)."""
-    sms = _sm_count(device)
+    sms = route.sm_count(device)
     if not common["CAUSAL"] or varlen or batch * heads * tiles > config.SCHEDULE_MAX_TILES:
         return min(units, sms), None, (0, 0)
     costs = _tile_costs(n, tiles, cfg, common["window_left"] if common["LEFT"] else None)

@@ -21,7 +21,6 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
-import triton
 
 # Smallest tile edge tl.dot accepts.
 MIN_BLOCK = 16
@@ -240,9 +239,14 @@ _CUDA_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
 )
 
 
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n (n >= 1): triton.next_power_of_2 is a constexpr function, slower on the host."""
+    return 1 << (n - 1).bit_length()
+
+
 def block_d(head_dim: int) -> int:
     """Head dims that are not a power of two are padded (and masked) up to one."""
-    return max(MIN_BLOCK, triton.next_power_of_2(head_dim))
+    return max(MIN_BLOCK, next_power_of_2(head_dim))
 
 
 def _row(arch: str, head_dim: int) -> tuple[int, ForwardConfig, BackwardConfig]:
@@ -400,7 +404,7 @@ DECODE_COMBINE_WARPS = 4
 INTERPRETER_SMS = 4  # the SM count the interpreter's split choice assumes (caches of 512+ rows then split)
 # (max head dim, block_n, num_warps, num_stages) for 2-byte dtypes on CUDA GPUs; fp32 halves block_n
 _DECODE_TABLE = ((64, 128, 4, 2), (128, 64, 4, 2), (256, 32, 4, 1))
-_INTERPRETER_DECODE = DecodeConfig(block_m=MIN_BLOCK, block_n=16, num_warps=1, num_stages=1, splits=1)
+_INTERPRETER_DECODE = (16, 1, 1)  # block_n, num_warps, num_stages
 
 
 def decode_splits(programs: int, capacity: int, sms: int) -> int:
@@ -419,14 +423,13 @@ def decode_config(
     caches of ``capacity`` rows and ``sms`` SMs. ``num_splits``: the caller's (0: choose),
     capped at the cache's tiles (a split with no tile computes nothing)."""
     if arch == "interpreter":
-        cfg = _INTERPRETER_DECODE
+        block_n, warps, stages = _INTERPRETER_DECODE
     else:
         padded = block_d(head_dim)
         _, block_n, warps, stages = next(row for row in _DECODE_TABLE if padded <= row[0])
         if dtype == torch.float32:
             block_n = max(MIN_BLOCK, block_n // 2)
-        cfg = DecodeConfig(MIN_BLOCK, block_n, warps, stages, 1)
-    block_m = min(max(MIN_BLOCK, triton.next_power_of_2(rows)), DECODE_MAX_BLOCK_M)
-    tiles = max(1, -(-capacity // cfg.block_n))
+    block_m = min(max(MIN_BLOCK, next_power_of_2(rows)), DECODE_MAX_BLOCK_M)
+    tiles = max(1, -(-capacity // block_n))
     splits = num_splits or decode_splits(pairs * -(-rows // block_m), capacity, sms)
-    return replace(cfg, block_m=block_m, splits=min(splits, tiles))
+    return DecodeConfig(block_m, block_n, warps, stages, min(splits, tiles))
