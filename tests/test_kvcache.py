@@ -335,6 +335,20 @@ def test_route_decides_the_decode_family_and_splits():
     assert config.decode_config("sm90", 128, torch.bfloat16, 4 * 16, 1, 8192, 132, 1).block_m == 64
 
 
+def test_decode_route_is_remembered_per_shape_and_backend(monkeypatch):
+    """route.decode keeps a call's route by shape, dtype, device, cache and backend variable: the same call gets the
+    same Route back, a changed FLASHTRITON_BACKEND a new decision."""
+    monkeypatch.setattr(route, "_DECODE_ROUTES", {})
+    q = torch.randn(2, 1, 4, 16, dtype=torch.float16)
+    monkeypatch.setenv(route.BACKEND_ENV, "torch")
+    first = route.decode(q, 64, 2, 0)
+    assert first.family == route.TORCH and route.decode(q.clone(), 64, 2, 0) is first
+    monkeypatch.setenv(route.BACKEND_ENV, "triton")
+    if route.interpreting():
+        assert route.decode(q, 64, 2, 0).family == route.DECODE
+    assert len(route._DECODE_ROUTES) == 1 + route.interpreting()
+
+
 def _errors_inputs():
     q = torch.randn(2, 1, 4, 16)
     cache = torch.randn(2, 32, 2, 16)
