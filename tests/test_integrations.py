@@ -60,9 +60,10 @@ def calls(monkeypatch) -> list[tuple[str, dict]]:
     return seen
 
 
-def _model(config, implementation: str):
+def _model(config, implementation: str, auto=None):
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation)
+    auto = auto or transformers.AutoModelForCausalLM
+    model = auto.from_config(config, attn_implementation=implementation)
     return model.eval()
 
 
@@ -76,10 +77,11 @@ def _logits_and_grads(model, implementation: str, dtype, ids, real, rows_alone=F
     weights = weights.to(dtype) * real[..., None]
     if rows_alone:
         logits = torch.zeros(weights.shape, dtype=dtype)
+        unmasked = {k: v for k, v in inputs.items() if k not in ("attention_mask", "position_ids")}
         for row in range(ids.shape[0]):
-            logits[row, real[row]] = model(input_ids=ids[row, real[row]][None], use_cache=False).logits[0]
+            logits[row, real[row]] = model(input_ids=ids[row, real[row]][None], **unmasked).logits[0]
     else:
-        logits = model(input_ids=ids, use_cache=False, **inputs).logits
+        logits = model(input_ids=ids, **inputs).logits
     (logits * weights).sum().backward()
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     return logits.detach(), grads
@@ -103,7 +105,8 @@ def _assert_matches_transformers(model, reference: str, ids, real, rows_alone=Fa
 def test_unpadded_batch(case, calls):
     config, reference, options = CONFIGS[case]
     ids = torch.randint(1, VOCAB, (2, 21))
-    _assert_matches_transformers(_model(config, NAME), reference, ids, torch.ones(ids.shape, dtype=torch.bool))
+    real = torch.ones(ids.shape, dtype=torch.bool)
+    _assert_matches_transformers(_model(config, NAME), reference, ids, real, use_cache=False)
     assert calls and all(entry == "flash_attn_func" and kwargs["causal"] for entry, kwargs in calls)
     for option, value in options.items():
         assert any(kwargs[option] == value for _, kwargs in calls), f"no call had {option}={value}"
@@ -124,7 +127,8 @@ def test_padded_batch(case, side, calls):
     real = mask.bool()
     position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)  # as generate() numbers them: 0 at each row's first token
     model = _model(config, NAME)
-    _assert_matches_transformers(model, reference, ids, real, True, attention_mask=mask, position_ids=position_ids)
+    masks = dict(attention_mask=mask, position_ids=position_ids)
+    _assert_matches_transformers(model, reference, ids, real, True, use_cache=False, **masks)
     assert calls and all(entry == "flash_attn_varlen_func" for entry, _ in calls)
 
 
@@ -137,8 +141,19 @@ def test_packed_batch(case, calls):
     ids = torch.randint(1, VOCAB, (1, sum(lengths)))
     position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
     real = torch.ones(ids.shape, dtype=torch.bool)
-    _assert_matches_transformers(_model(config, NAME), reference, ids, real, position_ids=position_ids)
+    _assert_matches_transformers(_model(config, NAME), reference, ids, real, use_cache=False, position_ids=position_ids)
     assert calls and all(entry == "flash_attn_varlen_func" for entry, _ in calls)
+
+
+def test_bidirectional_padded_batch(calls):
+    """BERT (an encoder: is_causal False), right-padded rows of 13 and 9 tokens, against each row alone."""
+    config = transformers.BertConfig(**{k: v for k, v in TINY.items() if k != "max_position_embeddings"})
+    model = _model(config, NAME, transformers.AutoModelForMaskedLM)
+    ids = torch.randint(1, VOCAB, (2, 13))
+    mask = torch.ones(ids.shape, dtype=torch.long)
+    mask[1, 9:] = 0
+    _assert_matches_transformers(model, "sdpa", ids, mask.bool(), True, attention_mask=mask)
+    assert calls and all(entry == "flash_attn_varlen_func" and not kwargs["causal"] for entry, kwargs in calls)
 
 
 def test_packed_batch_equals_separate_sequences(calls):
@@ -211,6 +226,13 @@ def test_attention_sinks_raise():
     model = _model(config, NAME)
     with pytest.raises(NotImplementedError, match="attention sinks"):
         model(input_ids=torch.randint(1, VOCAB, (1, 8)))
+
+
+def test_custom_4d_mask_raises():
+    model = _model(CONFIGS["llama-gqa"][0], NAME)
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match="2-D attention_mask"):
+        model(input_ids=torch.randint(1, VOCAB, (1, 8)), attention_mask=mask)
 
 
 def test_register_rejects_flash_in_name():
