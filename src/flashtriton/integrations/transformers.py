@@ -9,8 +9,9 @@ as (batch, seqlen, nheads, headdim) views, without copies, and computes one of t
   - a padded batch (`padding_mask` gives a (batch, keys) bool mask, True on real tokens, left or right padding): the
     real tokens are gathered into flash_attn_varlen_func's packed layout and the output scattered back, zeros on
     padding, so no work is done on padding;
-  - a padding-free packed batch (no mask; position_ids restart inside a row, as DataCollatorWithFlattening makes them,
-    or its cu_seq_lens_q/k kwargs): one varlen sequence per run of consecutive positions.
+  - a padding-free packed batch (no mask; position_ids restart inside the one row of the batch, as
+    DataCollatorWithFlattening makes them, or its cu_seq_lens_q/k kwargs): one varlen sequence per run of consecutive
+    positions.
 Masks are aligned bottom-right (flash_attn's convention), so a query block against a longer KV cache (decoding) is
 causal at the cache's end.
 
@@ -166,22 +167,23 @@ def _padded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
 
 def _packed_lengths(q, k, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
     """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a padding-free packed batch, or None for a batch of
-    whole rows. Given by cu_seq_lens_q/k and max_length_q/k, or read from 2-D position_ids: a sequence starts where
-    the position does not follow the previous one by 1 (transformers' sdpa masks read packing the same way)."""
+    whole rows. Given by cu_seq_lens_q/k and max_length_q/k, or read from the position_ids of a batch of one row (the
+    packed layout; as transformers' flash_attn path, larger batches are not inspected, which would synchronise every
+    layer): a sequence starts where the position does not follow the previous one by 1 (as transformers' masks read
+    packing)."""
     if kwargs.get("cu_seq_lens_q") is not None:
         cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
         return cu_q.to(torch.int32), cu_k.to(torch.int32), int(kwargs["max_length_q"]), int(kwargs["max_length_k"])
     position_ids = kwargs.get("position_ids")
-    batch, n = q.shape[:2]
-    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != n or k.shape[1] != n or n < 2:
+    n = q.shape[1]
+    if position_ids is None or q.shape[0] != 1 or position_ids.shape != (1, n) or k.shape[1] != n or n < 2:
         return None
-    position_ids = position_ids.expand(batch, n)
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids.diff(dim=1) != 1
-    if int(starts.sum()) == batch:
+    starts = torch.ones(n, dtype=torch.bool, device=q.device)
+    starts[1:] = position_ids[0].diff() != 1
+    if int(starts.sum()) == 1:
         return None
-    ends = torch.tensor([batch * n], dtype=torch.int32, device=q.device)
-    cu_seqlens = torch.cat((starts.flatten().nonzero().flatten().to(torch.int32), ends))
+    ends = torch.tensor([n], dtype=torch.int32, device=q.device)
+    cu_seqlens = torch.cat((starts.nonzero().flatten().to(torch.int32), ends))
     longest = int(cu_seqlens.diff().max())
     return cu_seqlens, cu_seqlens, longest, longest
 
