@@ -1,0 +1,1 @@
+"""Adapters that plug flashtriton into other libraries; each imports its library only when used."""

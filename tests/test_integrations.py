@@ -1,0 +1,245 @@
+"""flashtriton.integrations.transformers: tiny random-weight models in fp32 on CPU (flashtriton's PyTorch path), their
+logits and gradients against the same model in fp64 under transformers' own attention, by the one tolerance rule
+(plain = transformers' attention in fp32). A spy on the integration's calls checks which flashtriton entry point ran
+and with which options, so a case cannot pass by not reaching flashtriton."""
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (requirements-dev.txt pins the version CI tests)"
+)
+
+from flashtriton.integrations import transformers as integration  # noqa: E402
+from helpers import assert_close_to_reference  # noqa: E402
+
+NAME = integration.register()
+VOCAB = 97
+TINY = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    max_position_embeddings=256, pad_token_id=0,
+)  # fmt: skip
+WINDOW = 8
+GEMMA2 = dict(
+    num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=2.0, query_pre_attn_scalar=24
+)
+
+
+def _configs() -> dict:
+    """name: (config, transformers' reference attention, the options each layer's call must carry)."""
+    return {
+        "llama-gqa": (transformers.LlamaConfig(**TINY, num_key_value_heads=2), "sdpa", {}),
+        "qwen3-mqa": (transformers.Qwen3Config(**TINY, num_key_value_heads=1, head_dim=24), "sdpa", {}),
+        "mistral-window": (
+            transformers.MistralConfig(**TINY, num_key_value_heads=2, sliding_window=WINDOW),
+            "sdpa",
+            {"window_size": (WINDOW - 1, WINDOW - 1)},
+        ),
+        # layer 0 slides, layer 1 is global; sdpa has no softcap, so transformers' reference is eager
+        "gemma2-softcap-window": (transformers.Gemma2Config(**TINY, **GEMMA2), "eager", {"softcap": 2.0}),
+    }
+
+
+CONFIGS = _configs()
+
+
+@pytest.fixture
+def calls(monkeypatch) -> list[tuple[str, dict]]:
+    """(entry point, options) of each flashtriton call the integration makes."""
+    seen = []
+    for entry in ("flash_attn_func", "flash_attn_varlen_func"):
+        original = getattr(integration, entry)
+
+        def spy(*args, _entry=entry, _original=original, **options):
+            seen.append((_entry, options))
+            return _original(*args, **options)
+
+        monkeypatch.setattr(integration, entry, spy)
+    return seen
+
+
+def _model(config, implementation: str, auto=None):
+    torch.manual_seed(0)
+    auto = auto or transformers.AutoModelForCausalLM
+    model = auto.from_config(config, attn_implementation=implementation)
+    return model.eval()
+
+
+def _logits_and_grads(model, implementation: str, dtype, ids, real, rows_alone=False, **inputs):
+    """Logits and parameter gradients of a copy of model in dtype under implementation; the loss is the logits' dot
+    with fixed random weights over the real tokens. rows_alone: each row's real tokens run as a batch of one, without
+    padding, their logits placed back at their positions (zeros elsewhere)."""
+    model = copy.deepcopy(model).to(dtype)
+    model.set_attn_implementation(implementation)
+    weights = torch.randn((*ids.shape, VOCAB), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    weights = weights.to(dtype) * real[..., None]
+    if rows_alone:
+        logits = torch.zeros(weights.shape, dtype=dtype)
+        unmasked = {k: v for k, v in inputs.items() if k not in ("attention_mask", "position_ids")}
+        for row in range(ids.shape[0]):
+            logits[row, real[row]] = model(input_ids=ids[row, real[row]][None], **unmasked).logits[0]
+    else:
+        logits = model(input_ids=ids, **inputs).logits
+    (logits * weights).sum().backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads
+
+
+def _assert_matches_transformers(model, reference: str, ids, real, rows_alone=False, **inputs) -> None:
+    """Ours in fp32 against the reference in fp64, with the reference in fp32 as the plain error, on the real
+    tokens' logits and on every parameter's gradient. rows_alone: the reference runs each row's real tokens alone."""
+    ours = _logits_and_grads(model, NAME, torch.float32, ids, real, **inputs)
+    exact, plain = (
+        _logits_and_grads(model, reference, dtype, ids, real, rows_alone, **inputs)
+        for dtype in (torch.float64, torch.float32)
+    )
+    assert_close_to_reference("logits", ours[0][real], exact[0][real], plain[0][real])
+    assert ours[1].keys() == exact[1].keys()
+    for name in exact[1]:
+        assert_close_to_reference(f"grad {name}", ours[1][name], exact[1][name], plain[1][name])
+
+
+@pytest.mark.parametrize("case", CONFIGS)
+def test_unpadded_batch(case, calls):
+    config, reference, options = CONFIGS[case]
+    ids = torch.randint(1, VOCAB, (2, 21))
+    real = torch.ones(ids.shape, dtype=torch.bool)
+    _assert_matches_transformers(_model(config, NAME), reference, ids, real, use_cache=False)
+    assert calls and all(entry == "flash_attn_func" and kwargs["causal"] for entry, kwargs in calls)
+    for option, value in options.items():
+        assert any(kwargs[option] == value for _, kwargs in calls), f"no call had {option}={value}"
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("case", ["llama-gqa", "gemma2-softcap-window"])
+def test_padded_batch(case, side, calls):
+    """Rows of 21, 13 and 6 real tokens, against each row's real tokens run alone by transformers' attention (in
+    fp64 its eager attention turns rows that see no key into NaN, which a padded reference would spread)."""
+    config, reference, _ = CONFIGS[case]
+    ids = torch.randint(1, VOCAB, (3, 21))
+    mask = torch.zeros(ids.shape, dtype=torch.long)
+    for row, length in enumerate((21, 13, 6)):
+        mask[row, -length:] = 1 if side == "left" else 0
+        if side == "right":
+            mask[row, :length] = 1
+    real = mask.bool()
+    position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)  # as generate() numbers them: 0 at each row's first token
+    model = _model(config, NAME)
+    masks = dict(attention_mask=mask, position_ids=position_ids)
+    _assert_matches_transformers(model, reference, ids, real, True, use_cache=False, **masks)
+    assert calls and all(entry == "flash_attn_varlen_func" for entry, _ in calls)
+
+
+@pytest.mark.parametrize("case", ["llama-gqa", "mistral-window"])
+def test_packed_batch(case, calls):
+    """Three sequences in one row, as DataCollatorWithFlattening packs them (position_ids restart at 0): against
+    transformers' attention on the same packed row (which masks across sequences from the position_ids)."""
+    config, reference, _ = CONFIGS[case]
+    lengths = (9, 13, 4)
+    ids = torch.randint(1, VOCAB, (1, sum(lengths)))
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    real = torch.ones(ids.shape, dtype=torch.bool)
+    _assert_matches_transformers(_model(config, NAME), reference, ids, real, use_cache=False, position_ids=position_ids)
+    assert calls and all(entry == "flash_attn_varlen_func" for entry, _ in calls)
+
+
+def test_bidirectional_padded_batch(calls):
+    """BERT (an encoder: is_causal False), right-padded rows of 13 and 9 tokens, against each row alone."""
+    config = transformers.BertConfig(**{k: v for k, v in TINY.items() if k != "max_position_embeddings"})
+    model = _model(config, NAME, transformers.AutoModelForMaskedLM)
+    ids = torch.randint(1, VOCAB, (2, 13))
+    mask = torch.ones(ids.shape, dtype=torch.long)
+    mask[1, 9:] = 0
+    _assert_matches_transformers(model, "sdpa", ids, mask.bool(), True, attention_mask=mask)
+    assert calls and all(entry == "flash_attn_varlen_func" and not kwargs["causal"] for entry, kwargs in calls)
+
+
+def test_packed_batch_equals_separate_sequences(calls):
+    """The packed row's logits are those of each sequence run alone (precomputed cu_seq_lens kwargs too)."""
+    model = _model(CONFIGS["llama-gqa"][0], NAME)
+    lengths = (9, 13, 4)
+    ids = torch.randint(1, VOCAB, (1, sum(lengths)))
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=part).logits for part in ids.split(lengths, dim=1)], dim=1)
+        position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+        from_positions = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+        cu_seqlens = torch.tensor([0, 9, 22, 26], dtype=torch.int32)
+        flash_kwargs = dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=13, max_length_k=13)
+        from_kwargs = model(input_ids=ids, position_ids=position_ids, use_cache=False, **flash_kwargs).logits
+    # the same per-sequence attention either way; only the order of float sums differs with the batch layout
+    torch.testing.assert_close(from_positions, alone, rtol=0, atol=1e-5)
+    assert torch.equal(from_kwargs, from_positions)
+
+
+@pytest.mark.parametrize(
+    "case, cache, padded",
+    [
+        ("llama-gqa", "dynamic", True),
+        ("llama-gqa", "static", True),
+        ("llama-gqa", "static", False),
+        ("mistral-window", "dynamic", True),
+        ("gemma2-softcap-window", "dynamic", False),
+    ],
+)
+def test_generate_greedy(case, cache, padded, calls):
+    """Greedy tokens as transformers' attention's: prompts of 14 tokens (longer than the window), left-padded to 14
+    and 9 real tokens when padded, then 6 new tokens decoded against the cache (queries aligned bottom-right)."""
+    config, reference, _ = CONFIGS[case]
+    model = _model(config, NAME)
+    ids = torch.randint(1, VOCAB, (2, 14))
+    mask = torch.ones(ids.shape, dtype=torch.long)
+    if padded:
+        mask[1, :5] = 0
+        ids[1, :5] = 0
+    settings = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation=cache)
+    ours = model.generate(ids, **settings)
+    model.set_attn_implementation(reference)
+    theirs = model.generate(ids, **settings)
+    assert torch.equal(ours, theirs)
+    entries = {entry for entry, _ in calls}
+    # a padded batch runs varlen until the padding falls out of a sliding layer's cache; a static cache's unwritten
+    # tail is sliced off, leaving dense calls
+    assert "flash_attn_varlen_func" in entries if padded else entries == {"flash_attn_func"}
+    assert all(kwargs["causal"] for _, kwargs in calls)
+
+
+def test_dropout_follows_training_mode(calls):
+    config = copy.deepcopy(CONFIGS["llama-gqa"][0])
+    config.attention_dropout = 0.25
+    model = _model(config, NAME)
+    ids = torch.randint(1, VOCAB, (1, 12))
+    model.train()
+    model(input_ids=ids, use_cache=False)
+    model.eval()
+    model(input_ids=ids, use_cache=False)
+    layers = config.num_hidden_layers
+    assert [kwargs["dropout_p"] for _, kwargs in calls] == [0.25] * layers + [0.0] * layers
+
+
+@pytest.mark.skipif(not hasattr(transformers, "GptOssConfig"), reason="this transformers has no gpt-oss")
+def test_attention_sinks_raise():
+    config = transformers.GptOssConfig(
+        **TINY, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW
+    )
+    model = _model(config, NAME)
+    with pytest.raises(NotImplementedError, match="attention sinks"):
+        model(input_ids=torch.randint(1, VOCAB, (1, 8)))
+
+
+def test_custom_4d_mask_raises():
+    model = _model(CONFIGS["llama-gqa"][0], NAME)
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match="2-D attention_mask"):
+        model(input_ids=torch.randint(1, VOCAB, (1, 8)), attention_mask=mask)
+
+
+def test_register_rejects_flash_in_name():
+    with pytest.raises(ValueError, match="contains 'flash'"):
+        integration.register("my_flash_attention")
+
+
+def test_register_returns_name():
+    assert integration.register("triton_attention_test") == "triton_attention_test"
+    assert "triton_attention_test" in transformers.AttentionInterface._global_mapping
