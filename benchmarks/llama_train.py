@@ -17,28 +17,11 @@ import statistics
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+from transformers import LlamaConfig, LlamaForCausalLM
 
-import flashtriton
+from flashtriton.integrations.transformers import register
 
-
-def flashtriton_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers' attention call: query (B, H, N, D) in, (B, N, H, D) out. flash_attention_mask leaves the mask
-    None when nothing is padded, which is all this benchmark runs."""
-    if attention_mask is not None:
-        raise ValueError("this benchmark's flashtriton attention takes unpadded batches only")
-    out = flashtriton.flash_attn_func(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=dropout, softmax_scale=scaling,
-        causal=True,
-    )  # fmt: skip
-    return out, None
-
-
-# a name without "flash" in it: transformers looks such names up as flash_attn kernels
-IMPLEMENTATION = "triton_fa2"
-AttentionInterface.register(IMPLEMENTATION, flashtriton_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, flash_attention_mask)
+IMPLEMENTATION = register()  # flashtriton.integrations.transformers: the one line a user writes
 
 PROVIDERS = {  # name: (transformers attention implementation, SDPA backends allowed)
     "flashtriton": (IMPLEMENTATION, None),
