@@ -305,6 +305,23 @@ def test_chosen_splits_and_no_lse_give_the_same_out(backend, case):
     assert torch.equal(out, ours)
 
 
+@pytest.mark.parametrize("backend,case", target_params(ONE), indirect=["backend"])
+def test_omitted_seqlens_attend_the_whole_cache_and_slopes_broadcast(backend, case):
+    """cache_seqlens=None attends every cache row, as cache_seqlens = the capacity does; alibi_slopes of shape
+    (nheads,) act as the same slopes for every sequence."""
+    inputs = _inputs(replace(case, n_q=2), backend.device)
+    q, k_cache, v_cache = inputs.q, inputs.k_cache, inputs.v_cache
+    full = torch.full((q.shape[0],), k_cache.shape[1], dtype=torch.int32, device=q.device)
+    slopes = torch.rand(q.shape[2], device=q.device)
+    options = dict(causal=True, return_softmax_lse=True)
+    omitted = flash_attn_with_kvcache(q, k_cache, v_cache, alibi_slopes=slopes, **options)
+    given = flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=full, alibi_slopes=slopes.expand(q.shape[0], -1), **options
+    )
+    for a, b in zip(omitted, given, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_rotary_reference_is_a_complex_rotation():
     """rotary_reference, the tests' oracle, against rotary as complex multiplication by e^(i angle)."""
     x = torch.randn(2, 3, 4, 10, dtype=torch.float64)
