@@ -15,10 +15,8 @@ from . import route
 from .cache_args import KVCache
 from .kernels import config
 from .kernels.decode import append_kv_kernel, decode_combine_kernel, decode_split_kernel
-from .launch import Launcher, cdiv
+from .launch import LOG2E, Launcher, cdiv, window_bound
 from .params import NO_BOUND, AttentionParams
-
-LOG2E = 1.0 / math.log(2.0)
 
 # launch.Launcher skips Triton's per-call argument binding: most of a decode step's host time otherwise
 _APPEND, _SPLIT, _COMBINE = map(Launcher, (append_kv_kernel, decode_split_kernel, decode_combine_kernel))
@@ -57,11 +55,6 @@ def _append(cache: KVCache, cfg: config.DecodeConfig) -> None:
     )  # fmt: skip
 
 
-def _bound(window: int, n: int) -> int:
-    """A window bound as the kernel takes it: 0 for none, at most n (which changes no mask and stays in int32)."""
-    return min(max(window, 0), n)
-
-
 def forward(
     q: torch.Tensor, cache: KVCache, p: AttentionParams, r: route.Route
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -97,7 +90,7 @@ def forward(
         N_Q=n_q, N_NEW=cache.seqlen_new, H=heads, HKV=heads_k,
         GROUP=heads // heads_k, SPLITS=cfg.splits, qk_scale=scale * LOG2E,
         softcap=scale / p.softcap if softcap else 0.0,
-        window_left=_bound(p.window_left, n), window_right=_bound(p.window_right, n),
+        window_left=window_bound(p.window_left, n), window_right=window_bound(p.window_right, n),
         rotary_step=int(cache.rotate_rows), empty_lse=empty_lse,
         D=head_dim, BLOCK_D=config.block_d(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         LEFT=p.window_left != NO_BOUND, RIGHT=p.window_right != NO_BOUND, SOFTCAP=softcap,

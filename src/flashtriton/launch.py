@@ -26,6 +26,7 @@ bound launches as a ``Plan`` that later calls of the same layout replay with the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -54,6 +55,15 @@ class Descriptor(NamedTuple):
     def gluon(self) -> GluonTensorDescriptor:
         shape, strides, block = list(self.shape), list(self.strides), list(self.block_shape)
         return GluonTensorDescriptor(self.base, shape, strides, block, self.layout, self.padding)
+
+
+LOG2E = 1.0 / math.log(2.0)  # the kernels' scores are base 2: qk_scale = softmax_scale * LOG2E
+
+
+def window_bound(window: int, n: int) -> int:
+    """A window bound as the kernels take it: 0 for none (-1), and at most n (query plus key rows), which changes no
+    result and keeps row + bound inside the kernels' 32-bit arithmetic."""
+    return min(max(window, 0), n)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -24,11 +24,8 @@ from .kernels.backward import (
     attention_backward_preprocess_kernel,
 )
 from .kernels.forward import attention_forward_kernel
-from .launch import Descriptor, Launcher, Plan, Recorder, cdiv, hooked
+from .launch import LOG2E, Descriptor, Launcher, Plan, Recorder, cdiv, hooked, window_bound
 from .params import NO_BOUND, AttentionParams, final_lse, lse_shape
-
-LOG2E = 1.0 / math.log(2.0)
-
 
 _GRID_Y = 65535  # CUDA's largest grid along y and z
 
@@ -139,7 +136,7 @@ def _hopper_common(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, p: Atten
     stride_lb, stride_lh = _lse_strides(lse, p.varlen)
     return batch, n, dict(
         stride_lb=stride_lb, stride_lh=stride_lh, N=n, H=q.shape[2], GROUP=q.shape[2] // k.shape[2],
-        qk_scale=p.softmax_scale * LOG2E, window_left=_bound(p.window_left, 2 * n), CU_SEQLENS=p.cu_seqlens_q,
+        qk_scale=p.softmax_scale * LOG2E, window_left=window_bound(p.window_left, 2 * n), CU_SEQLENS=p.cu_seqlens_q,
         CAUSAL=p.diagonal, LEFT=p.left_bounded, VARLEN=p.varlen, RAGGED=not route.whole_sequences(p, n, rows),
         D=q.shape[3], num_warps=config.HOPPER_NUM_WARPS,
     )  # fmt: skip
@@ -280,18 +277,12 @@ def _lse_strides(lse: torch.Tensor | None, varlen: bool) -> tuple[int, int]:
     return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
 
 
-def _bound(window: int, n: int) -> int:
-    """A window bound as the kernels take it: 0 for none (-1), and at most n (query plus key rows), which changes no
-    result and keeps row + bound inside the kernels' 32-bit arithmetic."""
-    return min(max(window, 0), n)
-
-
 def _features(p: AttentionParams, n: int) -> tuple[dict, dict]:
     """Runtime arguments and constexpr flags of the feature set, shared by every kernel (n: query plus key rows)."""
     runtime = dict(
         CU_SEQLENS_Q=p.cu_seqlens_q, CU_SEQLENS_K=p.cu_seqlens_k, ALIBI_SLOPES=p.alibi_slopes,
         softcap=p.softmax_scale / p.softcap if p.softcap > 0 else 0.0,
-        window_left=_bound(p.window_left, n), window_right=_bound(p.window_right, n),
+        window_left=window_bound(p.window_left, n), window_right=window_bound(p.window_right, n),
         seed=p.seed, threshold=dropout.threshold(p.dropout_p), dropout_scale=1.0 / (1.0 - p.dropout_p),
         MASK_TENSORS=(), SCORE_TENSORS=tuple(p.score_mod.tensors) if p.score_mod else (),
     )  # fmt: skip
