@@ -355,7 +355,7 @@ def test_route_decides_the_decode_family_and_splits():
 def test_decode_route_is_remembered_per_shape_and_backend(monkeypatch):
     """route.decode keeps a call's route by shape, dtype, device, cache and backend variable: the same call gets the
     same Route back, a changed FLASHTRITON_BACKEND a new decision."""
-    monkeypatch.setattr(route, "_DECODE_ROUTES", {})
+    monkeypatch.setattr(route, "_ROUTES", {})
     q = torch.randn(2, 1, 4, 16, dtype=torch.float16)
     monkeypatch.setenv(route.BACKEND_ENV, "torch")
     first = route.decode(q, 64, 2, 0)
@@ -363,7 +363,7 @@ def test_decode_route_is_remembered_per_shape_and_backend(monkeypatch):
     monkeypatch.setenv(route.BACKEND_ENV, "triton")
     if route.interpreting():
         assert route.decode(q, 64, 2, 0).family == route.DECODE
-    assert len(route._DECODE_ROUTES) == 1 + route.interpreting()
+    assert len(route._ROUTES) == 1 + route.interpreting()
 
 
 def _errors_inputs():

@@ -297,17 +297,8 @@ def decode(
     is of the order of its kernels'."""
     if gpu is not None or sms is not None:
         return _decode(q, capacity, heads_k, num_splits, gpu, sms)
-    key = q.shape, q.dtype, q.device, capacity, heads_k, num_splits, os.environ.get(BACKEND_ENV)
-    route = _DECODE_ROUTES.get(key)
-    if route is None:
-        route = _decode(q, capacity, heads_k, num_splits, gpu, sms)
-        if len(_DECODE_ROUTES) >= _MAX_ROUTES:
-            _DECODE_ROUTES.pop(next(iter(_DECODE_ROUTES)))  # the oldest
-        _DECODE_ROUTES[key] = route
-    return route
-
-
-_DECODE_ROUTES: dict[tuple, Route] = {}
+    key = "decode", q.shape, q.dtype, q.device, capacity, heads_k, num_splits, os.environ.get(BACKEND_ENV)
+    return _remembered(key, lambda: _decode(q, capacity, heads_k, num_splits, gpu, sms))
 
 
 def _decode(q, capacity: int, heads_k: int, num_splits: int, gpu: str | None, sms: int | None) -> Route:
