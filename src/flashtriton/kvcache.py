@@ -20,10 +20,10 @@ import dataclasses
 from types import ModuleType
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import route, schema
 from .cache_args import KVCache
+from .ops import NO_LSE, watched
 from .params import AttentionParams, lse_shape
 
 _TYPES = {"torch.Tensor": "Tensor", "torch.Tensor | None": "Tensor?", "bool": "bool", "int": "int"}
@@ -51,18 +51,15 @@ def forward(q: torch.Tensor, cache: KVCache, p: AttentionParams) -> tuple[torch.
     return _launchers(r.family).forward(q, cache, p, r)
 
 
-_NO_LSE = (0,)  # the LSE slot of a call that asks for none
-
-
 def _op(q, *values):
     cache = KVCache(*values[: len(_CACHE_FIELDS)])
     out, lse = forward(q, cache, schema.from_schema(values[len(_CACHE_FIELDS) :]))
-    return out, lse if lse is not None else q.new_empty(_NO_LSE, dtype=torch.float32)
+    return out, lse if lse is not None else q.new_empty(NO_LSE, dtype=torch.float32)
 
 
 def _fake(q, *values):
     params = schema.from_schema(values[len(_CACHE_FIELDS) :])
-    return q.new_empty(q.shape), q.new_empty(lse_shape(q, False) if params.write_lse else _NO_LSE, dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(lse_shape(q, False) if params.write_lse else NO_LSE, dtype=torch.float32)
 
 
 attention_with_kvcache_op = torch.library.custom_op(
@@ -80,8 +77,7 @@ def attention_with_kvcache(
     Anything that watches or records ops (torch.compile, a dispatch mode, tensor subclasses) goes through the
     custom op; plain eager tensors skip its dispatch."""
     tensors = (q, cache.k_cache, cache.v_cache)
-    traced = torch.compiler.is_compiling() or torch.jit.is_tracing() or _get_current_dispatch_mode() is not None
-    if traced or any(type(x) is not torch.Tensor for x in tensors):
+    if watched(*tensors):
         values = [getattr(cache, name) for name in _CACHE_FIELDS]
         out, lse = attention_with_kvcache_op(q, *values, *schema.to_schema(params))
         return out, lse if params.write_lse else None

@@ -48,17 +48,17 @@ def backward(dout, dlse, q, k, v, out, lse, p: AttentionParams):
     return _launchers(r.family).backward(dout, dlse, q, k, v, out, lse, p, r)
 
 
-_NO_LSE = (0,)  # an inference call's LSE slot in the op's schema
+NO_LSE = (0,)  # an inference call's LSE slot in the op's schema
 
 
 def _forward_op(q, k, v, *fields):
     out, lse = forward(q, k, v, schema.from_schema(fields))
-    return out, lse if lse is not None else q.new_empty(_NO_LSE, dtype=torch.float32)
+    return out, lse if lse is not None else q.new_empty(NO_LSE, dtype=torch.float32)
 
 
 def _forward_fake(q, k, v, *fields):
     params = schema.from_schema(fields)
-    shape = lse_shape(q, params.varlen) if params.write_lse else _NO_LSE
+    shape = lse_shape(q, params.varlen) if params.write_lse else NO_LSE
     return q.new_empty(q.shape), q.new_empty(shape, dtype=torch.float32)
 
 
@@ -150,6 +150,14 @@ class _EagerAttention(torch.autograd.Function):
         return *grads, None
 
 
+def watched(*tensors: torch.Tensor) -> bool:
+    """Whether something watches or records this call's ops (torch.compile / export, torch.jit.trace, a dispatch mode,
+    tensor subclasses such as fake or functional tensors): such calls go through the custom ops, plain eager tensors
+    skip their dispatch."""
+    traced = torch.compiler.is_compiling() or torch.jit.is_tracing() or _get_current_dispatch_mode() is not None
+    return traced or any(type(x) is not torch.Tensor for x in tensors)
+
+
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -160,8 +168,7 @@ def attention(
     through the custom ops: torch.compile / export, torch.jit.trace, a dispatch mode (make_fx, FlopCounterMode,
     checkpoint policies), tensor subclasses (fake, functional tensors).
     """
-    traced = torch.compiler.is_compiling() or torch.jit.is_tracing() or _get_current_dispatch_mode() is not None
-    if traced or any(type(x) is not torch.Tensor for x in (q, k, v)):
+    if watched(q, k, v):
         out, lse = attention_forward(q, k, v, *schema.to_schema(params))
         return out, lse if params.write_lse else None
     differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
