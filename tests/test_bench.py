@@ -391,15 +391,16 @@ def test_the_users_suite_lists_every_item():
     assert {c.group for c in users.cpu_cases()} == set(users.GROUPS)
 
 
-def _users_run(tmp_path, monkeypatch, *argv) -> dict:
+def _suite_run(tmp_path, monkeypatch, suite: str, *argv) -> dict:
+    """A suite's CPU run into tmp_path / suite: its results.json."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    out = tmp_path / "users"
-    assert cli.run(_options("--suite", "users", "--rounds", "1", "--out", str(out), *argv)) == 0
+    out = tmp_path / suite
+    assert cli.run(_options("--suite", suite, "--rounds", "1", "--out", str(out), *argv)) == 0
     return json.loads((out / "results.json").read_text())
 
 
 def test_the_users_suite_on_a_cpu_writes_results_and_a_table(tmp_path, monkeypatch, capsys):
-    payload = _users_run(tmp_path, monkeypatch)
+    payload = _suite_run(tmp_path, monkeypatch, "users")
     out, err = capsys.readouterr()
     assert "no CUDA GPU: a tiny case of each users group, float32" in err
     assert payload["complete"] and payload["device"] == "cpu" and payload["sweep"]["suite"] == "users"
@@ -432,9 +433,10 @@ def test_the_users_suite_on_a_cpu_writes_results_and_a_table(tmp_path, monkeypat
 
 
 def test_users_parts_resume_into_one_results_json(tmp_path, monkeypatch):
-    first = _users_run(tmp_path, monkeypatch, "--part", "1/2")
+    first = _suite_run(tmp_path, monkeypatch, "users", "--part", "1/2")
     assert not first["complete"] and first["part"] == "1/2" and first["results"]
-    second = _users_run(tmp_path, monkeypatch, "--part", "2/2", "--resume", str(tmp_path / "users" / "results.json"))
+    path = str(tmp_path / "users" / "results.json")
+    second = _suite_run(tmp_path, monkeypatch, "users", "--part", "2/2", "--resume", path)
     assert second["complete"]
     ours = [r["case"] for r in second["results"] if r["provider"] == OURS]
     assert ours == [json.loads(json.dumps(c.__dict__)) for c in users.cpu_cases()]
@@ -592,15 +594,8 @@ def test_decode_inputs_reach_flashtriton_as_a_cache_and_the_peers_as_its_dense_c
     assert torch.isinf(mask).sum() == 3 + 2 + 1
 
 
-def _decode_run(tmp_path, monkeypatch, *argv) -> dict:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    out = tmp_path / "decode"
-    assert cli.run(_options("--suite", "decode", "--rounds", "1", "--out", str(out), *argv)) == 0
-    return json.loads((out / "results.json").read_text())
-
-
 def test_the_decode_suite_on_a_cpu_writes_results_and_a_table(tmp_path, monkeypatch, capsys):
-    payload = _decode_run(tmp_path, monkeypatch)
+    payload = _suite_run(tmp_path, monkeypatch, "decode")
     out, err = capsys.readouterr()
     assert "no CUDA GPU: a tiny case per seqlen_q and cache layout, float32" in err
     assert payload["complete"] and payload["sweep"]["suite"] == "decode" and payload["sweep"]["skipped"] == {}
@@ -635,10 +630,10 @@ def test_the_decode_suite_on_a_cpu_writes_results_and_a_table(tmp_path, monkeypa
 
 
 def test_decode_parts_resume_into_one_results_json(tmp_path, monkeypatch):
-    first = _decode_run(tmp_path, monkeypatch, "--part", "1/2", "--providers", OURS, "sdpa")
+    first = _suite_run(tmp_path, monkeypatch, "decode", "--part", "1/2", "--providers", OURS, "sdpa")
     assert not first["complete"] and first["part"] == "1/2" and first["results"]
     path = str(tmp_path / "decode" / "results.json")
-    second = _decode_run(tmp_path, monkeypatch, "--part", "2/2", "--providers", OURS, "sdpa", "--resume", path)
+    second = _suite_run(tmp_path, monkeypatch, "decode", "--part", "2/2", "--providers", OURS, "sdpa", "--resume", path)
     assert second["complete"] and second["sweep"]["providers"] == [OURS, "sdpa"]
     ours = [r["case"] for r in second["results"] if r["provider"] == OURS]
     assert ours == [json.loads(json.dumps(c.__dict__)) for c in decode.cpu_cases()]
