@@ -147,6 +147,18 @@ def _chosen(args: argparse.Namespace, available, gpu_only, cuda: bool) -> tuple[
     return chosen, notes
 
 
+def _own_suite(cases: list, chosen: list[str], run, device: torch.device, rounds: int, **rest) -> Suite:
+    """A suite whose cases name their providers (users, decode): each case runs those of them that were chosen."""
+
+    def providers_of(case):
+        return [p for p in case.providers if p in chosen]
+
+    return Suite(
+        cases=cases, providers_of=providers_of, run_case=lambda case: run(case, providers_of(case), device, rounds),
+        **rest,
+    )  # fmt: skip
+
+
 def users_suite(args: argparse.Namespace, device: torch.device) -> Suite:
     """The users suite (users.py): on a GPU its cases (--quick: the first of each group), on a CPU a tiny case of
     each group. Its shapes and modes are its own: the paper sweep's flags for them are refused."""
@@ -161,13 +173,12 @@ def users_suite(args: argparse.Namespace, device: torch.device) -> Suite:
     sweep = {"suite": "users", "modes": list(users.BOTH), "providers": chosen, "dtype": dtype, "rounds": args.rounds}
     sweep.update(timing=TIMING, host_calls=host_calls(device), host_passes=HOST_PASSES)
 
-    def providers_of(case):
-        return [p for p in case.providers if p in chosen]
-
-    return Suite(
-        cases=cases,
-        providers_of=providers_of,
-        run_case=lambda case: run_user_case(case, providers_of(case), device, args.rounds),
+    return _own_suite(
+        cases,
+        chosen,
+        run_user_case,
+        device,
+        args.rounds,
         attach=attach_users_ratios,
         sweep=sweep,
         definitions=USERS_DEFINITIONS,
@@ -194,13 +205,12 @@ def decode_suite(args: argparse.Namespace, device: torch.device) -> Suite:
     sweep.update(host_passes=HOST_PASSES)
     sweep.update(memory_budget_bytes=decode.MEMORY_BUDGET, skipped=skipped)
 
-    def providers_of(case):
-        return [p for p in case.providers if p in chosen]
-
-    return Suite(
-        cases=cases,
-        providers_of=providers_of,
-        run_case=lambda case: run_decode_case(case, providers_of(case), device, args.rounds),
+    return _own_suite(
+        cases,
+        chosen,
+        run_decode_case,
+        device,
+        args.rounds,
         attach=attach_ratios,
         sweep=sweep,
         definitions=DECODE_DEFINITIONS,
