@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 import torch
 
-from flashtriton import flash_attn_with_kvcache, route
+from flashtriton import decode_backend, flash_attn_with_kvcache, route
 from flashtriton.kernels import config
 from flashtriton.reference import rotary_reference
 from helpers import TARGETS, assert_close_to_reference, target_params
@@ -339,12 +339,15 @@ def test_rotary_reference_is_a_complex_rotation():
 
 def test_route_decides_the_decode_family_and_splits():
     q = torch.empty(2, 1, 32, 128, device="meta", dtype=torch.bfloat16)
-    many = torch.empty(64, 1, 32, 128, device="meta", dtype=torch.bfloat16)
     r = route.decode(q, 8192, 8, 0, gpu="sm90", sms=132)
     assert r.family == route.DECODE and r.config.block_m == 16
-    # 16 (sequence, K/V head) pairs on 132 SMs: nine splits fill them once; 64 x 8 pairs need none
-    assert r.config.splits == 9
-    assert route.decode(many, 8192, 8, 0, gpu="sm90", sms=132).config.splits == 1
+    # 16 (sequence, K/V head) pairs on 132 SMs: 66 splits would give 8 programs per SM, 8192 rows allow 32
+    assert r.config.splits == 32
+    assert route.decode(q, 131072, 8, 0, gpu="sm90", sms=132).config.splits == 66
+    # 64 x 8 pairs take 3 splits, 256 x 8 none
+    for batch, splits in ((64, 3), (256, 1)):
+        many = torch.empty(batch, 1, 32, 128, device="meta", dtype=torch.bfloat16)
+        assert route.decode(many, 8192, 8, 0, gpu="sm90", sms=132).config.splits == splits
     # a short cache: no split below config.DECODE_MIN_SPLIT_KEYS rows; a caller's count capped at the cache's tiles
     assert route.decode(q, 300, 8, 0, gpu="sm90", sms=132).config.splits == 1
     assert route.decode(q, 100, 8, 64, gpu="sm90", sms=132).config.splits == -(-100 // r.config.block_n)
@@ -552,3 +555,22 @@ def test_cuda_graph_replays_decode_steps_with_new_lengths():
         eager = step()
         assert torch.equal(replayed[0], eager)
         assert torch.equal(replayed[1], k_cache) and torch.equal(replayed[2], v_cache)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("case", CASES["gpu"], ids=str)
+def test_replayed_calls_match_recorded_ones(case, monkeypatch):
+    """A second call of a layout replays the first's launches (decode_backend's plan) with its own tensors: out, LSE
+    and the caches bitwise those of the same call recorded afresh."""
+    monkeypatch.setattr(decode_backend, "_PLANS", {})
+    torch.manual_seed(0)
+    _call(_inputs(case, "cuda"), 0)  # records
+    assert len(decode_backend._PLANS) == 1
+    torch.manual_seed(1)
+    inputs = _inputs(case, "cuda")
+    replayed = _call(inputs, 0)
+    assert len(decode_backend._PLANS) == 1
+    monkeypatch.setattr(decode_backend, "_plan_key", lambda *args: None)
+    recorded = _call(inputs, 0)
+    for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), replayed, recorded, strict=True):
+        assert torch.equal(a, b), f"{name} of the replay differs"

@@ -2,11 +2,13 @@
 
 No host read of a device value and no allocation sized by one: every buffer (the fp32 partials of the splits
 included) is sized from shapes, so a call can be captured in a CUDA graph. Launch parameters are the route's
-kernels.config.DecodeConfig.
+kernels.config.DecodeConfig. A decode step's kernels take microseconds, so calls of one layout replay the first one's
+allocations and bound launches (launch.Plan), as triton_backend's do.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -15,11 +17,42 @@ from . import route
 from .cache_args import KVCache
 from .kernels import config
 from .kernels.decode import append_kv_kernel, decode_combine_kernel, decode_split_kernel
-from .launch import LOG2E, Launcher, cdiv, window_bound
+from .launch import LOG2E, Launcher, Plan, Recorder, cdiv, hooked, keep, window_bound
 from .params import NO_BOUND, AttentionParams
 
 # launch.Launcher skips Triton's per-call argument binding: most of a decode step's host time otherwise
 _APPEND, _SPLIT, _COMBINE = map(Launcher, (append_kv_kernel, decode_split_kernel, decode_combine_kernel))
+
+# Replayable calls by layout (_plan_key). A plan holds the decode table's choices when it was recorded.
+_PLANS: dict[tuple, Plan] = {}
+_CACHE_TENSORS = tuple(f.name for f in dataclasses.fields(KVCache) if "Tensor" in str(f.type))
+
+
+def _inputs(q: torch.Tensor, cache: KVCache, p: AttentionParams) -> dict[str, torch.Tensor]:
+    """The call's tensors by name, as a Recorder names its launches' slots."""
+    tensors = {name: getattr(cache, name) for name in _CACHE_TENSORS}
+    tensors.update(q=q, alibi_slopes=p.alibi_slopes)
+    return {name: x for name, x in tensors.items() if x is not None}
+
+
+def _plan_key(r: route.Route, cache: KVCache, p: AttentionParams, inputs: dict[str, torch.Tensor]) -> tuple | None:
+    """What a decode call's launches depend on beyond its tensors' addresses: the route (shapes, splits), every
+    tensor's layout and 16-byte alignment, which are one tensor, the options and the current device."""
+    if r.key is None or hooked() or route.interpreting():
+        return None
+    layout = tuple((name, x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0) for name, x in inputs.items())
+    ids = [id(x) for x in inputs.values()]
+    # (the slopes are a tensor slot: a key keeps their layout above, not the tensor)
+    params = p if p.alibi_slopes is None else dataclasses.replace(p, alibi_slopes=None)
+    return (
+        r.key,
+        torch.cuda.current_device(),
+        layout,
+        tuple(map(ids.index, ids)),
+        cache.rotary_interleaved,
+        cache.rotate_rows,
+        params,
+    )
 
 
 def _last_dim_contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -42,40 +75,47 @@ def _pages(cache: KVCache) -> dict:
     )  # fmt: skip
 
 
-def _append(cache: KVCache, cfg: config.DecodeConfig) -> None:
+def _append(cache: KVCache, cfg: config.DecodeConfig, recorder: Recorder) -> None:
     """k_new (rotated) and v_new into the cache rows cache_seqlens[b] + j, in place."""
     k_new, v_new = _last_dim_contiguous(cache.k_new), _last_dim_contiguous(cache.v_new)
     batch, n_new, heads_k, head_dim = k_new.shape
     grid = (batch * heads_k, cdiv(n_new, cfg.block_n))
-    _APPEND[grid](
+    recorder.add(_APPEND.bind(grid)(
         k_new, v_new, cache.k_cache, cache.v_cache, cache.cache_seqlens, cache.cache_batch_idx,
         *k_new.stride()[:3], *v_new.stride()[:3], *cache.k_cache.stride()[:3], *cache.v_cache.stride()[:3],
         N_NEW=n_new, HKV=heads_k, D=head_dim, BLOCK_D=config.block_d(head_dim), BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, **_pages(cache), **_rotary(cache),
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def forward(
     q: torch.Tensor, cache: KVCache, p: AttentionParams, r: route.Route
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """out (shaped as q) and the natural-log LSE (batch, nheads, seqlen_q) in fp32, None unless p.write_lse."""
+    inputs = _inputs(q, cache, p)
+    key = _plan_key(r, cache, p, inputs)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is not None:
+        made = plan(**inputs)
+        return made["out"], made.get("lse")
+    recorder = Recorder(**inputs)
     cfg: config.DecodeConfig = r.config
     if cache.k_new is not None:
-        _append(cache, cfg)
+        _append(cache, cfg, recorder)
     q = _last_dim_contiguous(q)
     batch, n_q, heads, head_dim = q.shape
     heads_k = cache.k_cache.shape[2]
     rows = heads // heads_k * n_q
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device) if p.write_lse else None
+    out = recorder.empty("out", q.shape, q.dtype, q.device)
+    lse = recorder.empty("lse", (batch, heads, n_q), torch.float32, q.device) if p.write_lse else None
     if cfg.splits == 1:
         o_split, lse_split, empty_lse = out, lse, p.empty_lse
         o_strides = (0, *out.stride()[:3])
         lse_strides = (0, *lse.stride()) if lse is not None else (0, 0, 0, 0)
     else:
         # fp32 partials: (split, b, i, h, D) and (split, b, i, h), so that a final row's partials are one stride apart
-        o_split = torch.empty(cfg.splits, batch, n_q, heads, head_dim, dtype=torch.float32, device=q.device)
-        lse_split = torch.empty(cfg.splits, batch, n_q, heads, dtype=torch.float32, device=q.device)
+        o_split = recorder.empty("o_split", (cfg.splits, batch, n_q, heads, head_dim), torch.float32, q.device)
+        lse_split = recorder.empty("lse_split", (cfg.splits, batch, n_q, heads), torch.float32, q.device)
         o_strides = o_split.stride()[:4]
         stride_ls, stride_lb, stride_lm, stride_lh = lse_split.stride()
         lse_strides = (stride_ls, stride_lb, stride_lh, stride_lm)
@@ -83,7 +123,7 @@ def forward(
     scale = p.softmax_scale
     softcap = p.softcap > 0 and scale != 0  # at scale 0 every score is 0, capped or not
     n = cache.capacity + n_q
-    _SPLIT[(batch * heads_k, cfg.splits, cdiv(rows, cfg.block_m))](
+    recorder.add(_SPLIT.bind((batch * heads_k, cfg.splits, cdiv(rows, cfg.block_m)))(
         q, cache.k_cache, cache.v_cache, o_split, lse_split, cache.cache_seqlens, cache.cache_batch_idx,
         cache.cache_leftpad, p.alibi_slopes,
         *q.stride()[:3], *cache.k_cache.stride()[:3], *cache.v_cache.stride()[:3], *o_strides, *lse_strides,
@@ -97,11 +137,12 @@ def forward(
         UPCAST=q.dtype == torch.bfloat16 and route.interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pages(cache), **_rotary(cache),
-    )  # fmt: skip
+    ))  # fmt: skip
     if cfg.splits > 1:
-        _COMBINE[(batch * n_q * heads,)](
+        recorder.add(_COMBINE.bind((batch * n_q * heads,))(
             o_split, lse_split, out, lse, batch * n_q * heads, n_q, heads, cfg.splits, p.empty_lse,
             D=head_dim, BLOCK_D=config.block_d(head_dim), BLOCK_S=config.next_power_of_2(cfg.splits),
             num_warps=config.DECODE_COMBINE_WARPS,
-        )  # fmt: skip
+        ))  # fmt: skip
+    keep(_PLANS, key, recorder)
     return out, lse

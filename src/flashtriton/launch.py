@@ -297,3 +297,14 @@ class Recorder:
         if not self.replayable:
             return None
         return Plan(tuple(self.allocations), tuple(self.launches), tuple(self.constants.items()))
+
+
+def keep(plans: dict[tuple, Plan], key: tuple | None, recorder: Recorder, limit: int = 256) -> None:
+    """The recorder's Plan under ``key`` in ``plans`` (the oldest evicted past ``limit``), if the call is
+    replayable and has a key."""
+    plan = recorder.plan()
+    if key is None or plan is None:
+        return
+    if len(plans) >= limit:
+        plans.pop(next(iter(plans)), None)
+    plans[key] = plan

@@ -24,7 +24,7 @@ from .kernels.backward import (
     attention_backward_preprocess_kernel,
 )
 from .kernels.forward import attention_forward_kernel
-from .launch import LOG2E, Descriptor, Launcher, Plan, Recorder, cdiv, hooked, window_bound
+from .launch import LOG2E, Descriptor, Launcher, Plan, Recorder, cdiv, hooked, keep, window_bound
 from .params import NO_BOUND, AttentionParams, final_lse, lse_shape
 
 _GRID_Y = 65535  # CUDA's largest grid along y and z
@@ -152,21 +152,11 @@ _DQ_CONVERT = Launcher(attention_backward_dq_convert_kernel)
 # A plan (and route._ROUTES) holds the choices of kernels/config.py's tables when it was recorded: a sweep that
 # changes them at run time must clear both (and _schedule's cache, for the SCHEDULE_* constants).
 _PLANS: dict[tuple, Plan] = {}
-_MAX_PLANS = 256
 
 
 def _plan_key(r: route.Route) -> tuple | None:
     """The route's layout key (the calls a Plan may replay), with what the launches depend on beside it."""
     return None if r.key is None or hooked() or route.interpreting() else (r.key, autotune.enabled())
-
-
-def _keep(key: tuple | None, recorder: Recorder) -> None:
-    plan = recorder.plan()
-    if key is None or plan is None:
-        return
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.pop(next(iter(_PLANS)), None)  # the oldest
-    _PLANS[key] = plan
 
 
 def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperForwardConfig, recorder: Recorder):
@@ -422,7 +412,7 @@ def forward(
             tuning = _tuning_key(p, head_dim, run_dtype, p.span(n_q, n_k), lse is not None)
             cfg = autotune.choose("gluon forward", tuning, cfg, candidates, run, q.device)
         recorder.add(_hopper_forward(q, k, v, out, lse, p, cfg, recorder))
-        _keep(key, recorder)  # replays return out as it is: a plan's tensors are in their run dtype and shape
+        keep(_PLANS, key, recorder)  # replays return out as it is: a plan's tensors are in their run dtype and shape
         return _user_view(out, shape, out_dtype), lse
     if autotune.enabled():
         cfg = autotune.choose(
@@ -508,7 +498,7 @@ def backward(
     if r.dq == route.PAIR:  # dQ's own pass, which also computes delta for the dK/dV kernel after it
         recorder.add(_hopper_dq(q, k, v, out, dout, lse, dlse, delta, lse_rows, dq, p, r.config))
         recorder.add(_hopper_dkdv(q, k, v, dout, lse_rows, delta, dk, dv, None, p, r.config))
-        _keep(key, recorder)
+        keep(_PLANS, key, recorder)
         return _shaped((dq, dk, dv), shapes, grad_dtype)
     block_d = config.block_d(head_dim)
     common = dict(H=heads, D=head_dim, BLOCK_D=block_d)
@@ -523,7 +513,7 @@ def backward(
     if fused:  # one pass: dK, dV and dQ, whose shares the key tiles add up in no fixed order
         recorder.add(_hopper_dkdv(q, k, v, dout, lse_rows, delta, dk, dv, dq_sums, p, r.config))
         recorder.add(_dq_convert(dq_sums, dq, r.config))
-        _keep(key, recorder)
+        keep(_PLANS, key, recorder)
         return _shaped((dq, dk, dv), shapes, grad_dtype)
     cfg = r.config
     runtime, flags = _features(p, n_q + n_k)
