@@ -48,7 +48,6 @@ from .primitives import (
     give,
     halves,
     mma_layout,
-    opaque,
     operand_layout,
     outside_band,
     resident,
@@ -412,12 +411,6 @@ def attention_backward_dkdv_sm90_kernel(
     sums_row = bc * sums_rows + q_row
     producer = (q_desc, do_desc, lse_desc, delta_desc, steps, [bc, q_row, h0, 0], lse_row, stride_lh, n_steps, GROUP,
                 BLOCK_M)  # fmt: skip
-    if CAUSAL and not LEFT:  # (elsewhere they cost spills: D=64 window 32 to 48 bytes, D=256 dense 72 to 80)
-        # the producer's copies of what depends on the program id, opaque so that they come through shared memory:
-        # Triton would recompute their chain of integer divisions in the producer warp (elideTrivialCaptures), before
-        # its first load
-        producer = (q_desc, do_desc, lse_desc, delta_desc, steps, [opaque(bc), opaque(q_row), opaque(h0), 0],
-                    opaque(lse_row), stride_lh, opaque(n_steps), GROUP, BLOCK_M)  # fmt: skip
     if SPLIT_D:
         # P^T and dS^T tiles [step parity], each warpgroup's queries side by side; a barrier pair for each
         pt_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], flat_layout(q_desc))

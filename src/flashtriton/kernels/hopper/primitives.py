@@ -112,15 +112,6 @@ def sequence(CU_SEQLENS, b, N, VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def opaque(x):
-    """x (an int32 scalar) through a move the compiler cannot see into. A warp_specialize capture whose computation
-    from the kernel's arguments takes at most 16 pure ops is recomputed in every partition instead of passed through
-    shared memory (Triton's elideTrivialCaptures): for a program's (batch, head, key block), a chain of integer
-    divisions that a worker partition would run before its first TMA load."""
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def head_program():
     """Which (batch, head) of a grid (tiles, Y, Z) this program computes (kernels/common.py's head_program)."""
     return gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)
