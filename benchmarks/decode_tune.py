@@ -1,0 +1,143 @@
+"""The decode table's search: flash_attn_with_kvcache's GPU time under CUDA-graph replay (no host time) for forced
+(block_n, num_warps, num_stages, splits) configs, beside cuDNN SDPA (enable_gqa) in the same run.
+
+    PYTHONPATH=src python benchmarks/decode_tune.py [--out decode_tune.json]
+    PYTHONPATH=src python benchmarks/decode_tune.py --paged      # contiguous against pages of 16, same configs
+
+32/8 heads, D=128, bf16, seqlen_q 1, the whole cache attended. Splits are taken as ceil(t * SMs / (B * H_KV)) for
+t programs per SM (t = 1, 2, 4, 8), capped as config.decode_splits caps them. Small caches are replayed from
+several copies (about 300 MB in all) so that L2 does not hold them. Prints, per shape, cuDNN's time, the table's
+current choice and the best forced config; the JSON has every time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashtriton
+from flashtriton import decode_backend, route
+from flashtriton.kernels import config
+
+HEADS, HEADS_K, HEAD_DIM = 32, 8, 128
+SHAPES = ((1, 4096), (1, 32768), (1, 131072), (8, 4096), (8, 32768), (8, 131072), (64, 4096), (64, 32768))
+CANDIDATES = ((64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 2), (128, 8, 3), (32, 4, 4), (64, 8, 3))
+PROGRAMS_PER_SM = (1, 2, 4, 8)
+
+_forced: dict[str, tuple] = {}
+_table_config = config.decode_config
+
+
+def _config(arch, head_dim, dtype, rows, pairs, capacity, sms, num_splits) -> config.DecodeConfig:
+    """The table's config, or the forced one (its block_m kept)."""
+    chosen = _table_config(arch, head_dim, dtype, rows, pairs, capacity, sms, num_splits)
+    if not _forced:
+        return chosen
+    block_n, warps, stages, splits = _forced["config"]
+    return config.DecodeConfig(chosen.block_m, block_n, warps, stages, max(1, min(splits, -(-capacity // block_n))))
+
+
+def _force(value: tuple | None) -> None:
+    _forced.clear()
+    if value is not None:
+        _forced["config"] = value
+    route._ROUTES.clear()  # routes and plans hold the config they were made with
+    decode_backend._PLANS.clear()
+
+
+def graph_us(fn, inputs: int) -> float:
+    """Median microseconds per call over replays of a graph of max(inputs, 8) calls, input i % inputs each."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(inputs):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph, calls = torch.cuda.CUDAGraph(), max(inputs, 8)
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i % inputs)
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return statistics.median(times)
+
+
+def tune(batch: int, length: int, sms: int, paged: bool) -> dict[str, float]:
+    nbytes = 2 * batch * length * HEADS_K * HEAD_DIM * 2
+    copies = max(1, min(8, math.ceil(300e6 / nbytes)))
+    q = torch.randn(batch, 1, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    caches = [
+        tuple(torch.randn(batch, length, HEADS_K, HEAD_DIM, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        for _ in range(copies)
+    ]
+    lengths = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    times = {}
+    qt = q.transpose(1, 2).contiguous()
+    dense = [tuple(x.transpose(1, 2).contiguous() for x in cache) for cache in caches]
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        times["cudnn"] = graph_us(lambda i: F.scaled_dot_product_attention(qt, *dense[i], enable_gqa=True), copies)
+    dense.clear()  # the peer's copies freed before ours run
+    page, table = 16, None
+    if paged:
+        pages = batch * length // page
+        table = torch.randperm(pages, device="cuda").to(torch.int32).view(batch, -1)
+
+    def ours(i, paged_call=False):
+        k, v = caches[i]
+        if paged_call:
+            k, v = k.view(-1, page, HEADS_K, HEAD_DIM), v.view(-1, page, HEADS_K, HEAD_DIM)
+        return flashtriton.flash_attn_with_kvcache(
+            q, k, v, cache_seqlens=lengths, block_table=table if paged_call else None
+        )
+
+    layouts = ((False, ""), (True, "paged ")) if paged else ((False, ""),)
+    for paged_call, prefix in layouts:
+        _force(None)
+        times[prefix + "table"] = graph_us(lambda i, p=paged_call: ours(i, p), copies)
+        for block_n, warps, stages in CANDIDATES:
+            for per_sm in PROGRAMS_PER_SM:
+                cap = min(length // config.DECODE_MIN_SPLIT_KEYS, config.DECODE_MAX_SPLITS)
+                splits = max(1, min(math.ceil(per_sm * sms / (batch * HEADS_K)), cap))
+                _force((block_n, warps, stages, splits))
+                name = f"{prefix}{block_n}/{warps}/{stages}/s{splits}"
+                times[name] = graph_us(lambda i, p=paged_call: ours(i, p), copies)
+    _force(None)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--paged", action="store_true", help="also time pages of 16 in a shuffled block table")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    config.decode_config = _config
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for batch, length in SHAPES:
+        times = tune(batch, length, sms, args.paged)
+        rows.append(dict(batch=batch, length=length, us=times))
+        best = min((t, name) for name, t in times.items() if name not in ("cudnn", "table"))
+        print(
+            f"B{batch} L{length}: cuDNN {times['cudnn']:.1f} us, table {times['table']:.1f}, best {best[1]} "
+            f"{best[0]:.1f}",
+            flush=True,
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
