@@ -36,17 +36,20 @@ def _inputs(q: torch.Tensor, cache: KVCache, p: AttentionParams) -> dict[str, to
 
 
 def _plan_key(r: route.Route, cache: KVCache, p: AttentionParams, inputs: dict[str, torch.Tensor]) -> tuple | None:
-    """What a decode call's launches depend on beyond its tensors' addresses: the route (shapes, splits), every
-    tensor's layout and 16-byte alignment, which are one tensor, the options and the current device."""
-    if r.key is None or hooked() or route.interpreting():
+    """What a decode call's launches depend on beyond its tensors' addresses: the route (q's shape and dtype, the
+    splits), which tensors are given, their shapes, strides and 16-byte alignment (their dtypes are q's or int32 by
+    validation), which are one tensor, the options and the current device. None where launches go through Triton
+    (a launch hook, the interpreter's CPU tensors)."""
+    if r.key is None or not inputs["q"].is_cuda or hooked():
         return None
-    layout = tuple((name, x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0) for name, x in inputs.items())
+    layout = tuple((x.shape, x.stride(), x.data_ptr() % 16 == 0) for x in inputs.values())
     ids = [id(x) for x in inputs.values()]
     # (the slopes are a tensor slot: a key keeps their layout above, not the tensor)
     params = p if p.alibi_slopes is None else dataclasses.replace(p, alibi_slopes=None)
     return (
         r.key,
         torch.cuda.current_device(),
+        tuple(inputs),
         layout,
         tuple(map(ids.index, ids)),
         cache.rotary_interleaved,

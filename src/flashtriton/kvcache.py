@@ -32,14 +32,18 @@ _CACHE_FIELDS = tuple(f.name for f in dataclasses.fields(KVCache))
 _CACHE_SIGNATURE = ", ".join(f"{_MUTATED.get(f.name) or _TYPES[f.type]} {f.name}" for f in dataclasses.fields(KVCache))
 
 
+_BACKENDS: dict[str, ModuleType] = {}
+
+
 def _launchers(family: str) -> ModuleType:
-    if family == route.TORCH:
-        from . import decode_torch
-
-        return decode_torch
-    from . import decode_backend  # imported lazily: triton reads TRITON_INTERPRET at import
-
-    return decode_backend
+    backend = _BACKENDS.get(family)
+    if backend is None:
+        if family == route.TORCH:
+            from . import decode_torch as backend
+        else:
+            from . import decode_backend as backend  # imported lazily: triton reads TRITON_INTERPRET at import
+        _BACKENDS[family] = backend
+    return backend
 
 
 def forward(q: torch.Tensor, cache: KVCache, p: AttentionParams) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -48,6 +52,9 @@ def forward(q: torch.Tensor, cache: KVCache, p: AttentionParams) -> tuple[torch.
     if r.family == route.NONE:  # an empty batch: nothing to append or attend
         lse = q.new_full(lse_shape(q, False), p.empty_lse, dtype=torch.float32) if p.write_lse else None
         return torch.zeros_like(q), lse
+    if r.family == route.TORCH:
+        with torch.no_grad():  # (the kernels' launches record nothing; the PyTorch path's ops would)
+            return _launchers(r.family).forward(q, cache, p, r)
     return _launchers(r.family).forward(q, cache, p, r)
 
 
@@ -81,5 +88,4 @@ def attention_with_kvcache(
         values = [getattr(cache, name) for name in _CACHE_FIELDS]
         out, lse = attention_with_kvcache_op(q, *values, *schema.to_schema(params))
         return out, lse if params.write_lse else None
-    with torch.no_grad():
-        return forward(q, cache, params)
+    return forward(q, cache, params)
