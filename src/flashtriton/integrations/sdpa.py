@@ -99,8 +99,8 @@ def _prepared(query, key, value, dropout_p, is_causal, scale, seed=None):
     if query.shape[-1] % HEAD_DIM_STEP:
         raise ValueError(f"head dim {query.shape[-1]}: SDPA's FlashAttention backend takes multiples of 8")
     q, k, v = _bnhd(query, key, value)
-    params = _params(q, k, v, scale, is_causal, (-1, -1), 0.0, None, 0.0 if seed is not None else dropout_p, False, True,
-                     q.shape[0])  # fmt: skip
+    drawn = 0.0 if seed is not None else dropout_p  # (the backward's key is the forward's)
+    params = _params(q, k, v, scale, is_causal, (-1, -1), 0.0, None, drawn, False, True, q.shape[0])
     if seed is not None:
         params = replace(params, dropout_p=float(dropout_p), dropout_seed=seed)
     return _kernel_inputs(q, k, v, params)
