@@ -47,6 +47,7 @@ def dense_keys(cache: KVCache, x: torch.Tensor) -> torch.Tensor:
     return x if cache.cache_batch_idx is None else x[cache.cache_batch_idx.long()]
 
 
+@torch.no_grad()  # no gradient flows from a cache call, and these ops would record one for inputs that ask
 def forward(
     q: torch.Tensor, cache: KVCache, p: AttentionParams, route: Route
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -52,9 +52,6 @@ def forward(q: torch.Tensor, cache: KVCache, p: AttentionParams) -> tuple[torch.
     if r.family == route.NONE:  # an empty batch: nothing to append or attend
         lse = q.new_full(lse_shape(q, False), p.empty_lse, dtype=torch.float32) if p.write_lse else None
         return torch.zeros_like(q), lse
-    if r.family == route.TORCH:
-        with torch.no_grad():  # (the kernels' launches record nothing; the PyTorch path's ops would)
-            return _launchers(r.family).forward(q, cache, p, r)
     return _launchers(r.family).forward(q, cache, p, r)
 
 

@@ -399,13 +399,13 @@ class DecodeConfig:
 DECODE_MAX_BLOCK_M = 64  # packed rows per program; a call with more (long seqlen_q x GROUP) runs several row tiles
 DECODE_MAX_SPLITS = 128  # the most splits: the combine reads one partial row per split
 DECODE_MIN_SPLIT_KEYS = 256  # cache rows per split at least: each split costs a partial write and a combine read
-# Programs per SM that a split grid aims at: enough loads in flight to stream the cache at the HBM limit (H200, 32/8
-# heads, D=128: within 6% of cuDNN from B1 4k to B64 32k, where filling the SMs once reached 0.65-0.8x of it)
+# Programs per SM that a split grid aims at: enough loads in flight to stream the cache at the HBM limit; filling the
+# SMs only once left it idle (benchmarks/DECISIONS.md, "Decoding")
 DECODE_PROGRAMS_PER_SM = 8
 DECODE_COMBINE_WARPS = 4
 INTERPRETER_SMS = 4  # the SM count the interpreter's split choice assumes (caches of 512+ rows then split)
 # (max head dim, block_n, num_warps, num_stages) for 2-byte dtypes on CUDA GPUs, 16 KB K and V tiles each; fp32
-# halves block_n. Three stages over two: B1 4k 13.3 -> 10.9 us (benchmarks/DECISIONS.md)
+# halves block_n. Stages swept at D=128 only (benchmarks/decode_tune.py); the other rows take its three
 _DECODE_TABLE = ((64, 128, 4, 3), (128, 64, 4, 3), (256, 32, 4, 3))
 _INTERPRETER_DECODE = (16, 1, 1)  # block_n, num_warps, num_stages
 
