@@ -36,26 +36,16 @@ def _inputs(q: torch.Tensor, cache: KVCache, p: AttentionParams) -> dict[str, to
 
 
 def _plan_key(r: route.Route, cache: KVCache, p: AttentionParams, inputs: dict[str, torch.Tensor]) -> tuple | None:
-    """What a decode call's launches depend on beyond its tensors' addresses: the route (q's shape and dtype, the
-    splits), which tensors are given, their shapes, strides and 16-byte alignment (their dtypes are q's or int32 by
-    validation), which are one tensor, the options and the current device. None where launches go through Triton
-    (a launch hook, the interpreter's CPU tensors)."""
+    """What a decode call's launches depend on beyond its tensors' addresses: the route (q's shape, the splits),
+    which tensors are given and their layouts (route.tensors_layout), the options and the current device. None where
+    launches go through Triton (a launch hook, the interpreter's CPU tensors)."""
     if r.key is None or not inputs["q"].is_cuda or hooked():
         return None
-    layout = tuple((x.shape, x.stride(), x.data_ptr() % 16 == 0) for x in inputs.values())
-    ids = [id(x) for x in inputs.values()]
-    # (the slopes are a tensor slot: a key keeps their layout above, not the tensor)
+    # (the slopes are a tensor slot: a key keeps their layout, not the tensor)
     params = p if p.alibi_slopes is None else dataclasses.replace(p, alibi_slopes=None)
-    return (
-        r.key,
-        torch.cuda.current_device(),
-        tuple(inputs),
-        layout,
-        tuple(map(ids.index, ids)),
-        cache.rotary_interleaved,
-        cache.rotate_rows,
-        params,
-    )
+    layout = route.tensors_layout(inputs.values())
+    options = cache.rotary_interleaved, cache.rotate_rows, params
+    return r.key, torch.cuda.current_device(), tuple(inputs), layout, options
 
 
 def _last_dim_contiguous(x: torch.Tensor | None) -> torch.Tensor | None:

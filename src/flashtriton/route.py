@@ -208,10 +208,16 @@ def _layout_key(kind: str, p: AttentionParams, tensors: tuple[torch.Tensor, ...]
     q = tensors[0]
     if q.device.type != "cuda" or p.varlen or not p.plain or p.sparse:
         return None
+    where = q.device, torch.cuda.current_device(), os.environ.get(BACKEND_ENV)
+    return kind, p, *where, tensors_layout(tensors)
+
+
+def tensors_layout(tensors) -> tuple:
+    """What launches read of these tensors beyond their addresses: shapes, strides, dtypes, 16-byte alignment, and
+    which of them are one tensor."""
     layout = tuple((x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0) for x in tensors)
     ids = [id(x) for x in tensors]
-    where = q.device, torch.cuda.current_device(), os.environ.get(BACKEND_ENV)
-    return kind, p, *where, layout, tuple(map(ids.index, ids))
+    return layout, tuple(map(ids.index, ids))
 
 
 def _remembered(key: tuple | None, decide) -> Route:
