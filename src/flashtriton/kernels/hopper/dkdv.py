@@ -39,7 +39,6 @@ from .primitives import (
     LOG2E,
     PRODUCER_REGISTERS,
     PRODUCER_WARPS,
-    TWO_CONSUMER_REGISTERS,
     at,
     band_only,
     barriers,
@@ -347,7 +346,7 @@ def attention_backward_dkdv_sm90_kernel(
     softmax_scale, window_left, CU_SEQLENS, order_heads,
     CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, RAGGED: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, DQ_LATE: gl.constexpr, READ_AHEAD: gl.constexpr,
-    SPLIT_D: gl.constexpr,
+    SPLIT_D: gl.constexpr, WORKER_REGISTERS: gl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(N, KEYS) * B * HKV,): dK, dV of KEYS keys of one K/V head, two consumer warpgroups and a producer
     warp streaming the (Q, dO, LSE, delta) tiles of the GQA group through a ring of STAGES slots; lse/delta_desc: LSE
@@ -357,7 +356,8 @@ def attention_backward_dkdv_sm90_kernel(
     of BLOCK_N x D; dk/dv_desc: of BLOCK_N x D, or D / 2 when SPLIT_D. dq_desc: None, or the fp32 sums to which these
     keys' dQ shares are added (TMA reductions), sums_rows rows per batch: laid out as _dq_add says, or, SPLIT_D,
     (B * sums_rows, H * D) in blocks of BLOCK_M x D / 4. DK, DV: dK and dV again, with their strides, for the
-    register stores of a varlen sequence's last keys (_store_keys)."""
+    register stores of a varlen sequence's last keys (_store_keys). WORKER_REGISTERS: the worker consumer
+    warpgroup's (setmaxnreg)."""
     KEYS: gl.constexpr = BLOCK_N if SPLIT_D else 2 * BLOCK_N
     # programs in groups of order_heads K/V heads, each group's key blocks in order: its first blocks (causal: the
     # longest) before the next
@@ -430,7 +430,7 @@ def attention_backward_dkdv_sm90_kernel(
                 (_dkdv_producer, producer),
             ],
             [CONSUMER_WARPS, PRODUCER_WARPS],
-            [TWO_CONSUMER_REGISTERS, PRODUCER_REGISTERS],
+            [WORKER_REGISTERS, PRODUCER_REGISTERS],
         )  # fmt: skip
     else:
         gl.warp_specialize(
@@ -444,5 +444,5 @@ def attention_backward_dkdv_sm90_kernel(
                 (_dkdv_producer, producer),
             ],
             [CONSUMER_WARPS, PRODUCER_WARPS],
-            [TWO_CONSUMER_REGISTERS, PRODUCER_REGISTERS],
+            [WORKER_REGISTERS, PRODUCER_REGISTERS],
         )  # fmt: skip
