@@ -157,11 +157,6 @@ def test_varlen_packed_layouts_are_checked():
         flashtriton.flash_attn_varlen_kvpacked_func(q, torch.stack([k, v, v], dim=1), cu_q, cu_k, max_q, max_k)
 
 
-def test_features_not_implemented_yet_say_so():
-    with pytest.raises(NotImplementedError, match="block_table"):
-        flashtriton.flash_attn_varlen_func(*varlen(), block_table=torch.zeros(3, 1, dtype=torch.int32))
-
-
 def test_packed_layouts_are_checked():
     with pytest.raises(ValueError, match=r"qkv must be \(batch, seqlen, 3"):
         flashtriton.flash_attn_qkvpacked_func(torch.randn(1, 8, 2, 4, 16))

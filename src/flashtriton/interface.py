@@ -306,15 +306,27 @@ def flash_attn_varlen_func(
     Masks, offsets and dropout indices are per sequence (see flash_attn_func); alibi_slopes may be
     (batch, nheads). Returns out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q),
     probs (batch, nheads, max_seqlen_q, max_seqlen_k) or None).
+
+    block_table: (batch, max_blocks) int32, paged prefill: k, v are then paged caches (num_blocks, page_size,
+    nheads_k, headdim), any page size, and sequence b's key j is row j % page_size of page
+    block_table[b, j // page_size]; cu_seqlens_k still gives the key lengths. The pages a call reads are gathered
+    into packed rows (a copy of those rows, not of the cache); no backward and no dropout (an inference call).
     """
-    if block_table is not None:
-        raise NotImplementedError("block_table (paged KV cache) is not implemented yet: pass block_table=None")
-    check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     window = check_window(window_size)
     varlen = dict(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q),
         max_seqlen_k=int(max_seqlen_k),
     )  # fmt: skip
+    if block_table is not None:
+        if dropout_p:
+            raise ValueError("block_table (paged prefill) is for inference: pass dropout_p=0.0")
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            raise ValueError(
+                "block_table (paged prefill) has no backward, as in flash_attn: call it under torch.no_grad() or "
+                "pass tensors that do not require grad"
+            )
+        varlen["block_table"] = block_table
     batch = cu_seqlens_q.shape[0] - 1
     params = _params(
         q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p, deterministic,

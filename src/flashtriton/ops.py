@@ -10,6 +10,8 @@ dispatch, which costs about as much host time as a small call's kernels.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from itertools import pairwise
 from types import ModuleType
 
 import torch
@@ -18,7 +20,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import route, schema, torch_backend
 from .params import AttentionParams, lse_shape
-from .validation import check_cu_seqlens
+from .validation import check_cu_seqlens, host_read
 
 
 def _launchers(family: str) -> ModuleType:
@@ -32,12 +34,26 @@ def _launchers(family: str) -> ModuleType:
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams):
     """(out, lse) of one call, lse None unless p.write_lse."""
     if p.varlen:  # values, read on the host once per cu_seqlens tensor; here too for traced calls
-        check_cu_seqlens(p.cu_seqlens_q, p.cu_seqlens_k, q.shape[0], k.shape[0], p.max_seqlen_q, p.max_seqlen_k)
+        total_k = k.shape[0] if p.block_table is None else host_read(p.cu_seqlens_k, "values", torch.Tensor.tolist)[-1]
+        check_cu_seqlens(p.cu_seqlens_q, p.cu_seqlens_k, q.shape[0], total_k, p.max_seqlen_q, p.max_seqlen_k)
+        if p.block_table is not None:
+            k, v, p = _unpaged(k, v, p)
     r = route.forward(q, k, v, p)
     if r.family == route.NONE:
         lse = q.new_full(lse_shape(q, p.varlen), p.empty_lse, dtype=torch.float32) if p.write_lse else None
         return torch.zeros_like(q), lse
     return _launchers(r.family).forward(q, k, v, p, r)
+
+
+def _unpaged(k: torch.Tensor, v: torch.Tensor, p: AttentionParams):
+    """k, v's rows that p.block_table lists for the sequences of p.cu_seqlens_k (checked), packed as a varlen call
+    takes them: (total_k, nheads_k, headdim) copies, and p without the block table."""
+    starts = host_read(p.cu_seqlens_k, "values", torch.Tensor.tolist)
+    lengths = torch.tensor([b - a for a, b in pairwise(starts)], device=k.device)
+    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=k.device), lengths, output_size=starts[-1])
+    key = torch.arange(starts[-1], device=k.device) - p.cu_seqlens_k.long()[sequence]  # within its sequence
+    pages, rows = p.block_table.long()[sequence, key // k.shape[1]], key % k.shape[1]
+    return k[pages, rows], v[pages, rows], replace(p, block_table=None)
 
 
 def backward(dout, dlse, q, k, v, out, lse, p: AttentionParams):

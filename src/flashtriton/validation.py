@@ -201,17 +201,34 @@ def check_varlen(
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
+    block_table: torch.Tensor | None = None,
 ) -> None:
     """A packed variable-length batch: q (total_q, nheads, headdim), k, v (total_k, nheads_k, headdim),
-    cu_seqlens_q, cu_seqlens_k (batch + 1,) int32 on q's device; max_seqlen_q, max_seqlen_k ints.
+    cu_seqlens_q, cu_seqlens_k (batch + 1,) int32 on q's device; max_seqlen_q, max_seqlen_k ints. With a
+    block_table (batch, max_blocks) int32, k and v are paged caches (num_blocks, page_size, nheads_k, headdim) that
+    hold max_seqlen_k rows per sequence.
 
     Shapes, dtypes and devices only, so that a traced call checks them too; the values are check_cu_seqlens's,
     which the op runs before it launches anything.
     """
     check_tensor("q", q, 3, "(total_q, nheads, headdim)")
-    check_tensor("k", k, 3, "(total_k, nheads_k, headdim)")
-    check_tensor("v", v, 3, "(total_k, nheads_k, headdim)")
-    _check_shared(q, k, v, "(total_k, nheads_k, headdim)")
+    layout = "(total_k, nheads_k, headdim)" if block_table is None else "(num_blocks, page_size, nheads_k, headdim)"
+    check_tensor("k", k, 3 if block_table is None else 4, layout)
+    check_tensor("v", v, 3 if block_table is None else 4, layout)
+    _check_shared(q, k, v, layout)
+    if block_table is not None:
+        _check_index("block_table", block_table, 2, "(batch, max_blocks_per_sequence)", q)
+        if block_table.shape[0] != cu_seqlens_q.shape[0] - 1:
+            raise ValueError(
+                f"block_table has {block_table.shape[0]} rows for a batch of {cu_seqlens_q.shape[0] - 1} sequences "
+                "(cu_seqlens_q has batch + 1 entries): one row of page indices per sequence"
+            )
+        capacity = block_table.shape[1] * k.shape[1]
+        if _is_int(max_seqlen_k) and max_seqlen_k > capacity:
+            raise ValueError(
+                f"max_seqlen_k is {max_seqlen_k} but a block_table row of {block_table.shape[1]} pages of "
+                f"{k.shape[1]} rows holds {capacity}: pass more pages per sequence"
+            )
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         check_tensor(name, cu, 1, "(batch + 1,)")
         if cu.dtype != torch.int32:
