@@ -8,12 +8,15 @@ of CASES in its processes (distributed_worker.py) and names the case in each ass
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from distributed_worker import NAMES, Case, full_inputs, join, simulate, worker
 from flashtriton import flash_attn_func
+from flashtriton.__main__ import main
 from flashtriton.distributed import (
     CONTIGUOUS,
     LAYOUTS,
@@ -180,3 +183,16 @@ def test_gloo_groups_match_the_reference(world, tmp_path):
     assert refusals["ulysses_heads"].startswith("ValueError") and f"multiples of {world}" in refusals["ulysses_heads"]
     assert refusals["ring_window"].startswith("NotImplementedError: the ring does not implement window_size")
     assert refusals["zigzag_rows"].startswith("ValueError") and "pad it to" in refusals["zigzag_rows"]
+
+
+def test_the_ring_bench_in_one_process_measures_world_1_and_says_how_to_scale(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["bench", "--suite", "ring", "--rounds", "1", "--out", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert "torchrun --nproc-per-node 4 -m flashtriton bench --suite ring" in captured.err
+    with open(tmp_path / "results.json") as f:
+        payload = json.load(f)
+    rings = [r for r in payload["results"] if r["provider"] == "ring"]
+    assert payload["complete"] and rings and all(r["case"]["world"] == 1 for r in rings)
+    assert all(r["tflops_per_gpu"] > 0 and r["efficiency"] == 1.0 for r in rings)
+    assert "seq-256/gpu-h4/2-d64-w1" in captured.out
