@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from . import decode, decode_calls, users
+from . import decode, decode_calls, ring, users
 from .cases import MODES, Case, attach_ratios
 from .decode_calls import DECODE_DEFINITIONS, DECODE_GPU_ONLY, DECODE_PROVIDERS, run_decode_case
 from .progress import case_weights, progress
@@ -250,21 +250,22 @@ def _at_least_one(text: str) -> int:
     return value
 
 
-ALL_PROVIDERS = dict.fromkeys([*PROVIDERS, *USERS_PROVIDERS, *DECODE_PROVIDERS])
+ALL_PROVIDERS = dict.fromkeys([*PROVIDERS, *USERS_PROVIDERS, *DECODE_PROVIDERS, *ring.PROVIDERS])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench's options (``flashtriton bench`` and ``flashtriton demo``)."""
     parser.add_argument(
         "--suite",
-        choices=["paper", "users", "decode"],
+        choices=["paper", "users", "decode", "ring"],
         default="paper",
         help="paper (default): the FlashAttention-2 paper's sweep; users: a model's layout, GQA, lengths inside a "
         "tile, ragged documents, short N, host time per call and peak memory, against cuDNN SDPA and FlexAttention "
         "(fwd and fwd+bwd with fresh gradients); decode: flash_attn_with_kvcache reading contiguous and paged caches "
         "(bandwidth, device and host time per call) against cuDNN SDPA, SDPA's FlashAttention-2 and FlexAttention "
-        f"(about {decode.PARTS} parts of under 10 minutes on a GPU). users and decode: no plot; the shape flags below "
-        "are the paper sweep's",
+        f"(about {decode.PARTS} parts of under 10 minutes on a GPU); ring: context parallelism's weak scaling under "
+        "torchrun (flashtriton.bench.ring). users, decode and ring: no plot; the shape flags below are the paper "
+        "sweep's",
     )
     parser.add_argument(
         "--quick",
@@ -311,6 +312,9 @@ PLOT_NEEDS = "matplotlib is not installed: pip install 'flashtriton[bench]' adds
 def run(args: argparse.Namespace) -> int:
     """The suite ``add_arguments``' options describe: results.json after every case, then the plot (paper sweep)
     and the table."""
+    if args.suite == "ring":  # one process per GPU under torchrun: its own run (bench/ring.py)
+        _refuse_paper_flags(args)
+        return ring.run(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     paper = args.suite == "paper"
     suite = {"paper": paper_suite, "users": users_suite, "decode": decode_suite}[args.suite](args, device)

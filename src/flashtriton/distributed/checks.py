@@ -1,0 +1,55 @@
+"""The context-parallel API's own input checks (the shared ones are validation.py's): each raises before any
+communication, with the fix in its message."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..validation import HEAD_DIM_STEP, MAX_HEAD_DIM, check_window, resolve_softmax_scale
+from .layout import check_divisible, check_layout
+
+
+def check_group(group: dist.ProcessGroup | None, q: torch.Tensor) -> None:
+    """A group whose backend moves q's tensors: NCCL only moves CUDA tensors."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("a group was given but torch.distributed is not initialised: call init_process_group")
+        return
+    if dist.get_backend(group) == "nccl" and q.device.type != "cuda":
+        raise ValueError(f"the group's backend is NCCL, which moves CUDA tensors; q is on {q.device}: use a gloo group")
+
+
+def check_self_attention(q: torch.Tensor, k: torch.Tensor, seq_dim: int) -> None:
+    if q.shape[seq_dim] != k.shape[seq_dim]:
+        raise ValueError(
+            f"q has {q.shape[seq_dim]} local rows, k and v have {k.shape[seq_dim]}: context parallelism splits one "
+            "sequence of queries and keys (self-attention), so each rank's shards must have the same length"
+        )
+
+
+def check_local_rows(rows: int, world: int, layout: str) -> None:
+    """The local shard of a sequence of world * rows rows, which the layout must split evenly."""
+    check_layout(layout)
+    check_divisible(rows * world, world, layout, f"the sequence length ({world} ranks x {rows} local rows)")
+
+
+def ring_scale(softmax_scale: float | None, head_dim: int) -> float:
+    """The ring's checks on what its kernels take as they are (flash_attn_func adjusts these for its callers)."""
+    if head_dim % HEAD_DIM_STEP or head_dim > MAX_HEAD_DIM:
+        raise ValueError(
+            f"head dim {head_dim}: the ring takes head dims that are multiples of {HEAD_DIM_STEP} up to "
+            f"{MAX_HEAD_DIM}; pad q, k, v with zeros to {head_dim + (-head_dim % HEAD_DIM_STEP)} and slice the output"
+        )
+    scale = resolve_softmax_scale(softmax_scale, head_dim)
+    if scale <= 0:
+        raise ValueError(f"softmax_scale {scale}: the ring needs a positive scale; negate q for a negative one")
+    return scale
+
+
+def ring_window(window_size) -> None:
+    if check_window(window_size) != (-1, -1):
+        raise NotImplementedError(
+            "the ring does not implement window_size yet: pass causal=True and window_size=(-1, -1), or use "
+            "ulysses_flash_attn_func, which takes any window"
+        )

@@ -1,0 +1,160 @@
+"""How a sequence is split over the ranks of a context-parallel group, and put back together.
+
+A sequence of length N over ``world`` ranks is cut into equal chunks:
+
+  zigzag      2 * world chunks of N / (2 * world); rank r holds chunks r and 2 * world - 1 - r, in that order.
+              Under a causal mask every rank then has the same work: an early chunk (few keys before it) with a
+              late one (many).
+  contiguous  world chunks of N / world; rank r holds chunk r. Under a causal mask the last rank works most.
+
+A packed varlen batch is split document by document: each document's rows are cut as above and rank r holds its
+chunks of every document, documents in order. Its local cu_seqlens are then the global ones divided by world.
+
+The ``split_*`` / ``join_*`` functions are the pure maps (a list with every rank's shard, as a simulation holds
+them); ``shard`` / ``unshard`` apply them within a process group. None of them is differentiable: shard inputs
+before the model (token ids, positions, labels) and unshard results for checking or logging.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import torch
+import torch.distributed as dist
+
+ZIGZAG, CONTIGUOUS = "zigzag", "contiguous"
+LAYOUTS = (ZIGZAG, CONTIGUOUS)
+
+
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not a layout: use one of {', '.join(map(repr, LAYOUTS))}")
+
+
+def chunks_per_rank(layout: str) -> int:
+    return 2 if layout == ZIGZAG else 1
+
+
+def rank_chunks(world: int, rank: int, layout: str) -> tuple[int, ...]:
+    """The indices of the chunks that ``rank`` holds, in the order its shard holds them."""
+    return (rank, 2 * world - 1 - rank) if layout == ZIGZAG else (rank,)
+
+
+def check_divisible(length: int, world: int, layout: str, what: str) -> None:
+    """A length the layout splits into equal chunks; the message says how to pad."""
+    parts = world * chunks_per_rank(layout)
+    if length % parts:
+        raise ValueError(
+            f"{what} is {length}: the {layout} layout over {world} ranks cuts it into {parts} equal chunks, so it "
+            f"must be a multiple of {parts}; pad it to {length + (-length % parts)}"
+        )
+
+
+def world_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(size, this process's rank) of the group; (1, 0) without a process group (torch.distributed not started)."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def split(x: torch.Tensor, world: int, layout: str = ZIGZAG, dim: int = 1) -> list[torch.Tensor]:
+    """Every rank's shard of the full sequence x (along ``dim``): views for contiguous, copies for zigzag."""
+    check_layout(layout)
+    check_divisible(x.shape[dim], world, layout, f"the sequence length (dim {dim})")
+    chunks = x.chunk(world * chunks_per_rank(layout), dim)
+    return [_cat([chunks[c] for c in rank_chunks(world, r, layout)], dim) for r in range(world)]
+
+
+def join(shards: list[torch.Tensor], layout: str = ZIGZAG, dim: int = 1) -> torch.Tensor:
+    """The full sequence from every rank's shard, in rank order (the inverse of ``split``)."""
+    check_layout(layout)
+    world = len(shards)
+    chunks: list[torch.Tensor | None] = [None] * (world * chunks_per_rank(layout))
+    for r, x in enumerate(shards):
+        for c, part in zip(rank_chunks(world, r, layout), x.chunk(chunks_per_rank(layout), dim), strict=True):
+            chunks[c] = part
+    return torch.cat(chunks, dim)
+
+
+def split_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, world: int, layout: str = ZIGZAG) -> list[torch.Tensor]:
+    """Every rank's shard of a packed batch x (total, ...): each document split as ``split`` splits a sequence."""
+    per_doc = [split(doc, world, layout, dim=0) for doc in _documents(x, cu_seqlens, world, layout)]
+    return [_cat([doc[r] for doc in per_doc], 0) for r in range(world)]
+
+
+def join_varlen(shards: list[torch.Tensor], cu_seqlens: torch.Tensor, layout: str = ZIGZAG) -> torch.Tensor:
+    """The packed batch from every rank's shard (the inverse of ``split_varlen``); cu_seqlens are the global ones."""
+    world = len(shards)
+    lengths = document_lengths(cu_seqlens, world, layout)
+    local = [n // world for n in lengths]
+    per_rank = [x.split(local, 0) for x in shards]
+    return torch.cat([join([parts[d] for parts in per_rank], layout, dim=0) for d in range(len(lengths))], 0)
+
+
+def document_lengths(cu_seqlens: torch.Tensor, world: int, layout: str) -> list[int]:
+    """The documents' global lengths, read on the host, each checked to split evenly."""
+    check_layout(layout)
+    starts = cu_seqlens.tolist()
+    lengths = [b - a for a, b in pairwise(starts)]
+    for d, n in enumerate(lengths):
+        check_divisible(n, world, layout, f"document {d}'s length")
+    return lengths
+
+
+def local_cu_seqlens(cu_seqlens: torch.Tensor, world: int) -> torch.Tensor:
+    """A rank's cu_seqlens: each document holds 1 / world of its rows on every rank."""
+    return torch.div(cu_seqlens, world, rounding_mode="floor").to(torch.int32)
+
+
+def shard(x: torch.Tensor, group: dist.ProcessGroup | None = None, layout: str = ZIGZAG, dim: int = 1) -> torch.Tensor:
+    """This rank's shard of the full sequence x along ``dim`` (every rank passes the same x).
+
+    x: (batch, seqlen, ...) for the default dim 1; seqlen must be a multiple of 2 * world (zigzag) or world
+    (contiguous). Returns (batch, seqlen / world, ...): a copy for zigzag, a view for contiguous.
+    """
+    world, rank = world_and_rank(group)
+    return split(x, world, layout, dim)[rank]
+
+
+def unshard(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None, layout: str = ZIGZAG, dim: int = 1
+) -> torch.Tensor:
+    """The full sequence from every rank's shard x along ``dim`` (all-gathered; every rank gets it)."""
+    world, _ = world_and_rank(group)
+    if world == 1:
+        return x
+    shards = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(shards, x.contiguous(), group=group)
+    return join(shards, layout, dim)
+
+
+def shard_varlen(
+    x: torch.Tensor, cu_seqlens: torch.Tensor, group: dist.ProcessGroup | None = None, layout: str = ZIGZAG
+) -> torch.Tensor:
+    """This rank's shard of a packed batch x (total, ...) with the global cu_seqlens: each document's length must be
+    a multiple of 2 * world (zigzag) or world (contiguous). The shard's cu_seqlens are cu_seqlens // world."""
+    world, rank = world_and_rank(group)
+    return split_varlen(x, cu_seqlens, world, layout)[rank]
+
+
+def unshard_varlen(
+    x: torch.Tensor, cu_seqlens: torch.Tensor, group: dist.ProcessGroup | None = None, layout: str = ZIGZAG
+) -> torch.Tensor:
+    """The packed batch from every rank's shard x (all-gathered), cu_seqlens the global ones."""
+    world, _ = world_and_rank(group)
+    if world == 1:
+        return x
+    shards = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(shards, x.contiguous(), group=group)
+    return join_varlen(shards, cu_seqlens, layout)
+
+
+def _documents(x: torch.Tensor, cu_seqlens: torch.Tensor, world: int, layout: str) -> list[torch.Tensor]:
+    lengths = document_lengths(cu_seqlens, world, layout)
+    if sum(lengths) != x.shape[0]:
+        raise ValueError(f"cu_seqlens ends at {sum(lengths)}, the packed batch has {x.shape[0]} rows: they must match")
+    return list(x.split(lengths, 0))
+
+
+def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)

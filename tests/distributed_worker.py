@@ -1,0 +1,192 @@
+"""What each process of test_distributed.py's gloo groups runs: every case's full inputs (the same seed on every
+rank), this rank's shards through the distributed API, a backward, the results unsharded. Rank 0 saves them with the
+inputs for the test to compare against the reference; the checks that need every rank (bitwise repeats, the real
+ring against its in-process simulation) are reduced to one flag over the group."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from flashtriton.distributed import layout as L
+from flashtriton.distributed import (
+    ring_flash_attn_func,
+    ring_flash_attn_varlen_func,
+    shard,
+    shard_varlen,
+    ulysses_flash_attn_func,
+    unshard,
+    unshard_varlen,
+)
+from flashtriton.distributed import steps as S
+
+NAMES = ("out", "lse", "dq", "dk", "dv")  # what a case returns
+TIMEOUT = timedelta(seconds=60)  # a rank stuck in a transfer fails the test instead of hanging it
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call on every rank. api: "ring", "varlen" (ring on a packed batch) or "ulysses". rows: local rows per
+    rank (dense); documents: a packed batch's lengths in units of the layout's chunk count (2 * world for zigzag)."""
+
+    name: str
+    api: str
+    causal: bool
+    dtype: str
+    layout: str = L.ZIGZAG
+    heads: int = 4
+    heads_k: int = 2
+    head_dim: int = 16
+    rows: int = 16
+    documents: tuple[int, ...] = ()
+    window: tuple[int, int] = (-1, -1)
+    deterministic: bool = False
+
+    def lengths(self, world: int) -> list[int]:
+        return [n * world * L.chunks_per_rank(self.layout) for n in self.documents]
+
+
+def full_inputs(case: Case, world: int, seed: int) -> dict[str, torch.Tensor]:
+    """q, k, v, the output's gradient and the LSE's (the loss is <out, dout> + <lse, dlse>), and cu_seqlens."""
+    generator = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, case.dtype)
+    lengths = case.lengths(world)
+    rows = (sum(lengths),) if case.api == "varlen" else (1, case.rows * world)
+
+    def randn(*shape, dtype=dtype):
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    x = {
+        "q": randn(*rows, case.heads, case.head_dim),
+        "k": randn(*rows, case.heads_k, case.head_dim),
+        "v": randn(*rows, case.heads_k, case.head_dim),
+        "dout": randn(*rows, case.heads, case.head_dim),
+    }
+    lse_shape = (case.heads, rows[0]) if case.api == "varlen" else (1, case.heads, rows[1])
+    x["dlse"] = randn(*lse_shape, dtype=torch.float32)
+    if case.api == "varlen":
+        x["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return x
+
+
+def _call(case: Case, x: dict, q, k, v):
+    options = dict(causal=case.causal, deterministic=case.deterministic, return_lse=True, layout=case.layout)
+    if case.api == "varlen":
+        lengths = x["cu_seqlens"].diff()
+        return ring_flash_attn_varlen_func(q, k, v, x["cu_seqlens"], int(lengths.max()), **options)
+    if case.api == "ulysses":
+        return ulysses_flash_attn_func(q, k, v, window_size=case.window, **options)
+    return ring_flash_attn_func(q, k, v, **options)
+
+
+def _run(case: Case, x: dict) -> dict[str, torch.Tensor]:
+    """This rank's out, lse, dq, dk, dv."""
+    if case.api == "varlen":
+        local = {name: shard_varlen(x[name], x["cu_seqlens"], layout=case.layout) for name in ("q", "k", "v", "dout")}
+        local["dlse"] = shard_varlen(x["dlse"].t(), x["cu_seqlens"], layout=case.layout).t()
+    else:
+        local = {name: shard(x[name], layout=case.layout) for name in ("q", "k", "v", "dout")}
+        local["dlse"] = shard(x["dlse"], layout=case.layout, dim=2)
+    q, k, v = (local[name].clone().requires_grad_() for name in ("q", "k", "v"))
+    out, lse = _call(case, x, q, k, v)
+    ((out * local["dout"]).sum() + (lse * local["dlse"]).sum()).backward()
+    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, **local}
+
+
+def _unshard(case: Case, x: dict, name: str, t: torch.Tensor) -> torch.Tensor:
+    if case.api != "varlen":
+        return unshard(t, layout=case.layout, dim=2 if name == "lse" else 1)
+    if name == "lse":  # (nheads, total): the packed rows are its second dim
+        return unshard_varlen(t.t(), x["cu_seqlens"], layout=case.layout).t()
+    return unshard_varlen(t, x["cu_seqlens"], layout=case.layout)
+
+
+def _split(case: Case, x: dict, world: int, name: str) -> list[torch.Tensor]:
+    """Every rank's shard of input ``name`` (the LSE's gradient along its own sequence dim)."""
+    t = x[name]
+    if case.api != "varlen":
+        return L.split(t, world, case.layout, dim=2 if name == "dlse" else 1)
+    if name == "dlse":
+        return [s.t() for s in L.split_varlen(t.t(), x["cu_seqlens"], world, case.layout)]
+    return L.split_varlen(t, x["cu_seqlens"], world, case.layout)
+
+
+def join(case: Case, x: dict, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The full result ``name`` from every rank's shard."""
+    if case.api != "varlen":
+        return L.join(shards, case.layout, dim=2 if name == "lse" else 1)
+    if name == "lse":
+        return L.join_varlen([s.t() for s in shards], x["cu_seqlens"], case.layout).t()
+    return L.join_varlen(shards, x["cu_seqlens"], case.layout)
+
+
+def simulate(case: Case, x: dict, world: int) -> list[dict[str, torch.Tensor]]:
+    """Every rank's out, lse, dq, dk, dv from steps.simulate_forward / simulate_backward in this process."""
+    params = S.partial_params(1 / math.sqrt(case.head_dim), case.deterministic)
+    if case.api == "varlen":
+        lengths = [n // world for n in case.lengths(world)]
+        plans = [
+            S.varlen_steps(world, r, lengths, case.layout, case.causal, params, x["q"].device) for r in range(world)
+        ]
+    else:
+        plans = [S.dense_steps(world, r, case.rows, case.layout, case.causal, params) for r in range(world)]
+    shards = {name: _split(case, x, world, name) for name in ("q", "k", "v", "dout", "dlse")}
+    qs = shards["q"]
+    kvs = [torch.stack(pair) for pair in zip(shards["k"], shards["v"], strict=True)]
+    results = S.simulate_forward(plans, qs, kvs)
+    outs, lses = [o for o, _ in results], [lse for _, lse in results]
+    grads = S.simulate_backward(plans, shards["dout"], shards["dlse"], qs, kvs, outs, lses)
+    return [
+        {"out": out, "lse": lse, "dq": dq, "dk": dkv[0], "dv": dkv[1]}
+        for out, lse, (dq, dkv) in zip(outs, lses, grads, strict=True)
+    ]
+
+
+def _everywhere(flag: bool) -> bool:
+    """The flag of every rank, and-ed."""
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def _refusals(world: int) -> dict[str, str]:
+    """The errors of calls every rank makes wrongly in the same way: each must be raised before any transfer."""
+    q = torch.randn(1, 2 * world, 2 * world - 1, 16)
+    errors = {}
+    for name, call in {
+        "ulysses_heads": lambda: ulysses_flash_attn_func(q, q, q),
+        "ring_window": lambda: ring_flash_attn_func(q, q, q, window_size=(4, 0)),
+        "zigzag_rows": lambda: ring_flash_attn_func(q[:, 1:], q[:, 1:], q[:, 1:]),
+    }.items():
+        try:
+            call()
+            errors[name] = "no error"
+        except (ValueError, NotImplementedError) as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    return errors
+
+
+def worker(rank: int, world: int, store: str, cases: list[Case], out_path: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=TIMEOUT)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True  # torch.empty gives NaN: unwritten rows would show
+    saved = {}
+    for seed, case in enumerate(cases):
+        x = full_inputs(case, world, seed)
+        mine = _run(case, x)
+        result = {"inputs": x, "outputs": {n: _unshard(case, x, n, mine[n]) for n in NAMES}}
+        if case.deterministic:
+            again = _run(case, x)
+            result["repeats"] = _everywhere(all(torch.equal(mine[n], again[n]) for n in NAMES))
+        if case.api != "ulysses":
+            simulated = simulate(case, x, world)[rank]
+            result["simulated"] = _everywhere(all(torch.equal(simulated[n], mine[n]) for n in NAMES))
+        saved[case.name] = result
+    saved["refusals"] = _refusals(world)
+    if rank == 0:
+        torch.save(saved, out_path)
+    dist.destroy_process_group()

@@ -1,0 +1,198 @@
+"""flashtriton.distributed (docs/distributed.md): the layouts, the ring's step rule, its arithmetic simulated in one
+process at 8 and 16 ranks, and real gloo groups of 2 and 4 processes, against the fp64 reference by the one
+tolerance rule.
+
+A group's processes are spawned once per world size (a spawn costs seconds), so each of those tests runs every case
+of CASES in its processes (distributed_worker.py) and names the case in each assertion.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from distributed_worker import NAMES, Case, full_inputs, join, simulate, worker
+from flashtriton import flash_attn_func
+from flashtriton.__main__ import main
+from flashtriton.distributed import (
+    CONTIGUOUS,
+    LAYOUTS,
+    ZIGZAG,
+    ring_flash_attn_func,
+    ring_flash_attn_varlen_func,
+)
+from flashtriton.distributed import layout as L
+from flashtriton.distributed import steps as S
+from helpers import assert_close_to_reference, reference_outputs
+
+
+def test_zigzag_gives_rank_r_chunks_r_and_its_mirror():
+    x = torch.arange(8).view(1, 8)
+    assert [s.flatten().tolist() for s in L.split(x, 2, ZIGZAG)] == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert [s.flatten().tolist() for s in L.split(x, 2, CONTIGUOUS)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", [1, 3, 8])
+def test_split_and_join_are_inverse(world, layout):
+    x = torch.randn(2, 2 * world * 3, 5)
+    assert torch.equal(L.join(L.split(x, world, layout), layout), x)
+    lengths = [2 * world * n for n in (2, 0, 1)]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    packed = torch.randn(sum(lengths), 3)
+    shards = L.split_varlen(packed, cu, world, layout)
+    assert all(s.shape[0] == sum(lengths) // world for s in shards)
+    assert torch.equal(L.join_varlen(shards, cu, layout), packed)
+
+
+def test_a_length_the_layout_cannot_split_says_how_to_pad():
+    with pytest.raises(ValueError, match="multiple of 4; pad it to 8"):
+        L.split(torch.randn(1, 6), 2, ZIGZAG)
+
+
+def _visible_in_step(step: S.Step, n_rows: int, n_keys: int) -> torch.Tensor:
+    """(rows, keys) bool of the pairs a step's call computes: its own step's causal mask, or every pair."""
+    if step.params.window_right == 0:
+        return torch.ones(n_rows, n_keys, dtype=torch.bool).tril(n_keys - n_rows)
+    return torch.ones(n_rows, n_keys, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8, 16])
+def test_the_steps_compute_each_visible_pair_once(world, layout, causal):
+    """Over all ranks and steps, every (query, key) pair the mask shows is computed exactly once, no other pair."""
+    rows = 2 * 3  # two chunks of 3 per rank (zigzag), one of 6 (contiguous)
+    positions = L.split(torch.arange(rows * world), world, layout, dim=0)
+    count = torch.zeros(rows * world, rows * world, dtype=torch.int64)
+    params = S.partial_params(1.0, False)
+    for rank in range(world):
+        for src, step in enumerate(S.dense_steps(world, rank, rows, layout, causal, params)):
+            if step is None:
+                continue
+            q_pos, k_pos = positions[rank][step.rows], positions[src][step.keys]
+            seen = _visible_in_step(step, len(q_pos), len(k_pos))
+            count[q_pos[:, None].expand_as(seen)[seen], k_pos[None, :].expand_as(seen)[seen]] += 1
+    expected = torch.ones_like(count).tril() if causal else torch.ones_like(count)
+    assert torch.equal(count, expected)
+
+
+def check_case(label: str, case: Case, x: dict, outputs: dict) -> None:
+    """The distributed results against the fp64 reference on the full inputs, by the one tolerance rule."""
+    cu = (x["cu_seqlens"],) * 2 if case.api == "varlen" else None
+    common = dict(causal=case.causal, cu_seqlens=cu, window_size=case.window)
+    args = [x[name] for name in ("q", "k", "v", "dout", "dlse")]
+    exact = reference_outputs(*args, **common)
+    plain = reference_outputs(*args, compute_dtype=x["q"].dtype, **common)
+    for name, actual, e, p in zip(NAMES, (outputs[n] for n in NAMES), exact, plain, strict=True):
+        assert_close_to_reference(f"{label} {name}", actual, e, p)
+
+
+SIMULATED = [
+    Case("zigzag-causal-gqa-fp32", "ring", True, "float32", rows=4, heads=2, heads_k=1),
+    Case("zigzag-causal-bf16", "ring", True, "bfloat16", rows=4, heads=2, heads_k=2),
+    Case("zigzag-full-bf16", "ring", False, "bfloat16", rows=4, heads=2, heads_k=1),
+    Case("contiguous-causal-fp32", "ring", True, "float32", layout=CONTIGUOUS, rows=4, heads=2, heads_k=1),
+    Case("varlen-zigzag-causal-fp32", "varlen", True, "float32", heads=2, heads_k=1, documents=(2, 0, 1, 3)),
+    Case("varlen-contiguous-causal-bf16", "varlen", True, "bfloat16", layout=CONTIGUOUS, heads=2, documents=(3, 1)),
+]
+
+
+@pytest.mark.parametrize("case", SIMULATED, ids=lambda c: c.name)
+@pytest.mark.parametrize("world", [8, 16])
+def test_a_simulated_ring_of_many_ranks_matches_the_reference(world, case):
+    x = full_inputs(case, world, seed=world)
+    shards = simulate(case, x, world)
+    check_case(f"world {world} {case.name}", case, x, {n: join(case, x, n, [s[n] for s in shards]) for n in NAMES})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_without_a_process_group_the_ring_is_flash_attn_func(dtype):
+    q, k, v = (torch.randn(1, 24, h, 16, dtype=dtype, requires_grad=True) for h in (4, 2, 2))
+    out, lse = ring_flash_attn_func(q, k, v, causal=True, return_lse=True)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    expected_out, expected_lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    expected_grads = torch.autograd.grad(expected_out.sum(), (q, k, v))
+    assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads, strict=True))
+
+
+def _qkv(rows=8, heads=4, heads_k=2, head_dim=16):
+    return torch.randn(1, rows, heads, head_dim), *(torch.randn(1, rows, heads_k, head_dim) for _ in range(2))
+
+
+CU = torch.tensor([0, 4, 12], dtype=torch.int32)  # two documents of a 12-row packed batch
+REFUSED = {
+    "window": (lambda: ring_flash_attn_func(*_qkv(), window_size=(4, 0)), NotImplementedError, "window_size"),
+    "head dim": (lambda: ring_flash_attn_func(*_qkv(head_dim=12)), ValueError, "with zeros to 16"),
+    "layout": (lambda: ring_flash_attn_func(*_qkv(), layout="striped"), ValueError, "is not a layout"),
+    "lengths": (lambda: ring_flash_attn_func(_qkv()[0], *_qkv(rows=4)[1:]), ValueError, "same length"),
+    "odd rows": (lambda: ring_flash_attn_func(*_qkv(rows=7)), ValueError, "multiple of 2; pad it to 8"),
+    "scale": (lambda: ring_flash_attn_func(*_qkv(), softmax_scale=-1.0), ValueError, "positive scale"),
+    "group": (lambda: ring_flash_attn_func(*_qkv(), group=object()), ValueError, "init_process_group"),
+    "document": (
+        lambda: ring_flash_attn_varlen_func(*(x[0] for x in _qkv(12)), torch.tensor([0, 5, 12], dtype=torch.int32), 8),
+        ValueError,
+        "document 0's length is 5",
+    ),
+    "global cu_seqlens": (
+        lambda: ring_flash_attn_varlen_func(*(x[0, :6] for x in _qkv(12)), CU, 8),
+        ValueError,
+        "global cu_seqlens",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_bad_input_is_refused_with_the_fix(name):
+    call, error, message = REFUSED[name]
+    with pytest.raises(error, match=message):
+        call()
+
+
+CASES = [
+    Case("ring-zigzag-causal-gqa-fp32", "ring", True, "float32"),
+    Case("ring-zigzag-full-bf16", "ring", False, "bfloat16", heads_k=4),
+    Case("ring-contiguous-causal-bf16", "ring", True, "bfloat16", layout=CONTIGUOUS),
+    Case("ring-deterministic-causal-bf16", "ring", True, "bfloat16", deterministic=True),
+    Case("varlen-zigzag-causal-gqa-fp32", "varlen", True, "float32", documents=(3, 0, 1, 2)),
+    Case("varlen-contiguous-full-bf16", "varlen", False, "bfloat16", layout=CONTIGUOUS, documents=(5, 2)),
+    Case("ulysses-zigzag-causal-gqa-fp32", "ulysses", True, "float32", heads=8, heads_k=4),
+    Case("ulysses-window-bf16", "ulysses", True, "bfloat16", layout=CONTIGUOUS, heads=8, heads_k=4, window=(5, 0)),
+]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_groups_match_the_reference(world, tmp_path):
+    """Each case on `world` processes: results against the reference; the ring bit for bit as its simulation;
+    deterministic calls bit for bit on a repeat; wrong calls refused on every rank before any transfer."""
+    out_path = str(tmp_path / "results.pt")
+    mp.spawn(worker, args=(world, str(tmp_path / "store"), CASES, out_path), nprocs=world)
+    saved = torch.load(out_path)
+    for case in CASES:
+        result = saved[case.name]
+        check_case(f"world {world} {case.name}", case, result["inputs"], result["outputs"])
+        if case.api != "ulysses":
+            assert result["simulated"], f"world {world} {case.name}: the ring differs from its simulation"
+        if case.deterministic:
+            assert result["repeats"], f"world {world} {case.name}: a deterministic repeat differs"
+    refusals = saved["refusals"]
+    assert refusals["ulysses_heads"].startswith("ValueError") and f"multiples of {world}" in refusals["ulysses_heads"]
+    assert refusals["ring_window"].startswith("NotImplementedError: the ring does not implement window_size")
+    assert refusals["zigzag_rows"].startswith("ValueError") and "pad it to" in refusals["zigzag_rows"]
+
+
+def test_the_ring_bench_in_one_process_measures_world_1_and_says_how_to_scale(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["bench", "--suite", "ring", "--rounds", "1", "--out", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert "torchrun --nproc-per-node 4 -m flashtriton bench --suite ring" in captured.err
+    with open(tmp_path / "results.json") as f:
+        payload = json.load(f)
+    rings = [r for r in payload["results"] if r["provider"] == "ring"]
+    assert payload["complete"] and rings and all(r["case"]["world"] == 1 for r in rings)
+    assert all(r["tflops_per_gpu"] > 0 and r["efficiency"] == 1.0 for r in rings)
+    assert "seq-256/gpu-h4/2-d64-w1" in captured.out
