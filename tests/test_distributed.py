@@ -70,9 +70,8 @@ def test_the_steps_compute_each_visible_pair_once(world, layout, causal):
     count = torch.zeros(rows * world, rows * world, dtype=torch.int64)
     params = S.partial_params(1.0, False)
     for rank in range(world):
-        for src, step in enumerate(S.dense_steps(world, rank, rows, layout, causal, params)):
-            if step is None:
-                continue
+        plan = S.dense_steps(world, rank, rows, layout, causal, params)
+        for src, step in ((src, step) for src, pieces in enumerate(plan) for step in pieces):
             q_pos, k_pos = positions[rank][step.rows], positions[src][step.keys]
             seen = _visible_in_step(step, len(q_pos), len(k_pos))
             count[q_pos[:, None].expand_as(seen)[seen], k_pos[None, :].expand_as(seen)[seen]] += 1

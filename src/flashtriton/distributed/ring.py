@@ -20,7 +20,7 @@ from .layout import ZIGZAG, document_lengths, world_and_rank
 
 
 class _Call:
-    """One call's ring: its group (None and world 1: no communication) and its Step by source rank."""
+    """One call's ring: its group (None and world 1: no communication) and its Steps by source rank."""
 
     def __init__(self, group: dist.ProcessGroup | None, world: int, rank: int, steps: tuple):
         self.group, self.world, self.rank, self.steps = group, world, rank, steps
@@ -38,9 +38,7 @@ def _forward(call: _Call, q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tens
         kv = pending.wait()
         if s + 1 < world:
             pending = ring.shift(kv)
-        step = call.steps[(rank - s) % world]
-        if step is not None:
-            S.forward_step(step, q, kv, out, lse)
+        S.forward_step(call.steps[(rank - s) % world], q, kv, out, lse)
     return S.finish_forward(out, lse, q.dtype)
 
 
@@ -54,11 +52,9 @@ def _backward(call: _Call, dout, dlse, q, kv, out, lse) -> tuple[torch.Tensor, t
         kv = pending_kv.wait()
         if s + 1 < world:
             pending_kv = ring.shift(kv)
-        step = call.steps[(rank - s) % world]
-        grads = S.backward_step(step, dout, dlse, q, kv, out, lse, dq) if step is not None else None
+        shares = S.backward_step(call.steps[(rank - s) % world], dout, dlse, q, kv, out, lse, dq)
         dkv = pending_dkv.wait()
-        if grads is not None:
-            S.add_kv_grads(dkv, step, *grads)
+        S.add_kv_grads(dkv, shares)
     if ring:
         dkv = ring.shift(dkv).wait()  # the last holder sends it home
     return dq.to(q.dtype), dkv

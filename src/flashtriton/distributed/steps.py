@@ -11,8 +11,10 @@ mask and the zigzag layout (layout.py: rank r holds chunks r and 2 * world - 1 -
   src > r    the second half of the local queries (chunk 2w-1-r, after both of src's chunks) against the whole
              shard; the first half (chunk r, before both) sees nothing
 
-so every step but the first is an unmasked call of c * 2c (half the dense work), and each rank does the same.
+so every step but the first is unmasked work of c * 2c (half the dense work), and each rank does the same; it runs
+as two square c * c calls (pieces), which the Hopper kernels serve (they take seqlen_q == seqlen_k).
 Contiguous layout: src == r causal, src < r unmasked, src > r nothing. Without a mask every step is unmasked.
+A rank's plan is, per source rank, a tuple of such calls (Steps): none when the step computes nothing.
 
 A packed varlen batch follows the same rule document by document. A step that takes half of each document's keys
 (or queries) runs as a varlen call of two sequences per document, one of which has no queries (or no keys): the
@@ -65,19 +67,20 @@ def partial_params(softmax_scale: float, deterministic: bool, **varlen) -> Atten
 
 
 def dense_steps(world: int, rank: int, seqlen: int, layout: str, causal: bool, params: AttentionParams) -> tuple:
-    """The Step (or None: nothing to compute) of each source rank, for a local shard of ``seqlen`` rows."""
+    """The Steps of each source rank (a tuple, empty: nothing to compute), for a local shard of ``seqlen`` rows."""
     if not causal:
-        return (Step(ALL, ALL, params),) * world
-    own = Step(ALL, ALL, replace(params, window_right=0))
-    half = seqlen // 2
+        return ((Step(ALL, ALL, params),),) * world
+    own = (Step(ALL, ALL, replace(params, window_right=0)),)
+    first, second = slice(0, seqlen // 2), slice(seqlen // 2, None)
     steps = []
     for src in range(world):
         if src == rank:
             steps.append(own)
-        elif layout == ZIGZAG:
-            steps.append(Step(ALL, slice(0, half), params) if src < rank else Step(slice(half, None), ALL, params))
+        elif layout == ZIGZAG:  # every query against the first half of the keys, or the second half against all
+            pieces = ((first, first), (second, first)) if src < rank else ((second, first), (second, second))
+            steps.append(tuple(Step(rows, keys, params) for rows, keys in pieces))
         else:
-            steps.append(Step(ALL, ALL, params) if src < rank else None)
+            steps.append((Step(ALL, ALL, params),) if src < rank else ())
     return tuple(steps)
 
 
@@ -92,7 +95,7 @@ def varlen_steps(
     longest = max(lengths, default=0)
     whole = _varlen(params, starts, starts, longest, longest, device)
     if not causal:
-        return (Step(ALL, ALL, whole),) * world
+        return ((Step(ALL, ALL, whole),),) * world
     own = Step(ALL, ALL, replace(whole, window_right=0))
     if layout == ZIGZAG:
         half = longest // 2
@@ -104,11 +107,11 @@ def varlen_steps(
     steps = []
     for src in range(world):
         if src == rank:
-            steps.append(own)
+            steps.append((own,))
         elif layout == ZIGZAG:
-            steps.append(Step(ALL, ALL, first_keys if src < rank else second_rows))
+            steps.append((Step(ALL, ALL, first_keys if src < rank else second_rows),))
         else:
-            steps.append(Step(ALL, ALL, whole) if src < rank else None)
+            steps.append((Step(ALL, ALL, whole),) if src < rank else ())
     return tuple(steps)
 
 
@@ -143,16 +146,17 @@ def merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse
     lse.copy_(total)
 
 
-def first_forward(step: Step, q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rank's own step (every row, every key): the fp32 accumulators (out, lse) it starts."""
-    out, lse = ops.forward(q, kv[0], kv[1], step.params)
+def first_forward(own: tuple[Step], q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rank's own step (one call: every row, every key): the fp32 accumulators (out, lse) it starts."""
+    out, lse = ops.forward(q, kv[0], kv[1], own[0].params)
     return out.float(), lse
 
 
-def forward_step(step: Step, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """One later step: the partial result of the step's rows against the step's keys, merged into (out, lse)."""
-    part_out, part_lse = ops.forward(_seq(q, step.rows), _seq(kv[0], step.keys), _seq(kv[1], step.keys), step.params)
-    merge(_seq(out, step.rows), lse[..., step.rows], part_out, part_lse)
+def forward_step(pieces: tuple[Step, ...], q, kv, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """One later step: the partial result of each call's rows against its keys, merged into (out, lse)."""
+    for step in pieces:
+        part = ops.forward(_seq(q, step.rows), _seq(kv[0], step.keys), _seq(kv[1], step.keys), step.params)
+        merge(_seq(out, step.rows), lse[..., step.rows], *part)
 
 
 def finish_forward(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,29 +164,34 @@ def finish_forward(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> 
     return out.to(dtype), lse.masked_fill_(lse == -math.inf, math.inf)
 
 
-def first_backward(step: Step, dout, dlse, q, kv, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
+def first_backward(own: tuple[Step], dout, dlse, q, kv, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
     """The own step's gradients: the fp32 dQ accumulator and the fp32 (2, ...) dK/dV accumulator of the own shard."""
-    dq, dk, dv = ops.backward(dout, dlse, q, kv[0], kv[1], out, lse, step.backward_params)
+    dq, dk, dv = ops.backward(dout, dlse, q, kv[0], kv[1], out, lse, own[0].backward_params)
     dkv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
     dkv[0], dkv[1] = dk, dv
     return dq.float(), dkv
 
 
-def backward_step(step: Step, dout, dlse, q, kv, out, lse, dq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One later step: adds its dQ share into the fp32 dq, returns its (dK, dV) share for the keys ``step.keys``."""
-    rows, keys = step.rows, step.keys
-    part_dq, dk, dv = ops.backward(
-        _seq(dout, rows), dlse[..., rows], _seq(q, rows), _seq(kv[0], keys), _seq(kv[1], keys), _seq(out, rows),
-        lse[..., rows], step.backward_params,
-    )  # fmt: skip
-    _seq(dq, rows).add_(part_dq)
-    return dk, dv
+def backward_step(pieces: tuple[Step, ...], dout, dlse, q, kv, out, lse, dq: torch.Tensor) -> list[tuple]:
+    """One later step: adds each call's dQ share into the fp32 dq; returns (step, dK, dV) per call, dK and dV the
+    shares of the keys ``step.keys``."""
+    shares = []
+    for step in pieces:
+        rows, keys = step.rows, step.keys
+        part_dq, dk, dv = ops.backward(
+            _seq(dout, rows), dlse[..., rows], _seq(q, rows), _seq(kv[0], keys), _seq(kv[1], keys), _seq(out, rows),
+            lse[..., rows], step.backward_params,
+        )  # fmt: skip
+        _seq(dq, rows).add_(part_dq)
+        shares.append((step, dk, dv))
+    return shares
 
 
-def add_kv_grads(dkv: torch.Tensor, step: Step, dk: torch.Tensor, dv: torch.Tensor) -> None:
-    """Adds a step's (dK, dV) share into the fp32 accumulator of the shard it ran against."""
-    _seq(dkv[0], step.keys).add_(dk)
-    _seq(dkv[1], step.keys).add_(dv)
+def add_kv_grads(dkv: torch.Tensor, shares: list[tuple]) -> None:
+    """Adds a step's (dK, dV) shares into the fp32 accumulator of the shard it ran against."""
+    for step, dk, dv in shares:
+        _seq(dkv[0], step.keys).add_(dk)
+        _seq(dkv[1], step.keys).add_(dv)
 
 
 def simulate_forward(plans: list[tuple], qs: list[torch.Tensor], kvs: list[torch.Tensor]) -> list[tuple]:
@@ -192,9 +201,7 @@ def simulate_forward(plans: list[tuple], qs: list[torch.Tensor], kvs: list[torch
     accs = [first_forward(plans[r][r], qs[r], kvs[r]) for r in range(world)]
     for s in range(1, world):
         for r in range(world):
-            step = plans[r][(r - s) % world]
-            if step is not None:
-                forward_step(step, qs[r], kvs[(r - s) % world], *accs[r])
+            forward_step(plans[r][(r - s) % world], qs[r], kvs[(r - s) % world], *accs[r])
     return [finish_forward(out, lse, q.dtype) for (out, lse), q in zip(accs, qs, strict=True)]
 
 
@@ -207,8 +214,6 @@ def simulate_backward(plans: list[tuple], douts, dlses, qs, kvs, outs, lses) -> 
     for s in range(1, world):
         for r in range(world):
             src = (r - s) % world
-            step = plans[r][src]
-            if step is not None:
-                dk, dv = backward_step(step, douts[r], dlses[r], qs[r], kvs[src], outs[r], lses[r], grads[r][0])
-                add_kv_grads(grads[src][1], step, dk, dv)
+            shares = backward_step(plans[r][src], douts[r], dlses[r], qs[r], kvs[src], outs[r], lses[r], grads[r][0])
+            add_kv_grads(grads[src][1], shares)
     return [(dq.to(q.dtype), dkv.to(kv.dtype)) for (dq, dkv), q, kv in zip(grads, qs, kvs, strict=True)]
