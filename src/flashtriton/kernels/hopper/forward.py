@@ -335,8 +335,6 @@ def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEF
             if first_row >= n:
                 lead = n_tiles
                 n_own = 0
-            if len(sinks) > 0:  # read before the tile's loop, which hides the load
-                sink = gl.load(sinks[0] + h) * LOG2E
             q_smem = take(q_ring, done)[0]
             _pass(k_ring, v_ring, it, lead, turns)
             if n_own > 0:
@@ -345,6 +343,7 @@ def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEF
                                         TREE)  # fmt: skip
                 scale = 1.0 / l_i
                 if len(sinks) > 0:  # one more logit: into the max and the sum; O's rescale joins the reciprocal
+                    sink = gl.load(sinks[0] + h) * LOG2E  # read here: held across the loop it spills at D=256
                     m_new = gl.maximum(m_i, sink)  # every stored row has seen a key: m_i is finite
                     alpha = gl.exp2(m_i - m_new)
                     l_i = l_i * alpha + gl.exp2(sink - m_new)
