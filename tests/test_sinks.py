@@ -3,7 +3,7 @@ and gradients (q, k, v and the sinks) against the fp64 reference on every availa
 semantics: one more logit per row, sinks[h], that takes probability mass and multiplies no value).
 
 Sinks are drawn near the rows' LSE, so that each takes a good share of the mass (a kernel that dropped one would
-fail), and one head's is -inf (no sink) in most cases. On the GPU the shapes reach the sm90 Gluon forward (and the
+fail), and head 0's is -inf (no sink). On the GPU the shapes reach the sm90 Gluon forward (and the
 backward's fused and pair schedules, and its varlen rows); on the CPU targets each case names one dtype.
 """
 
@@ -49,7 +49,6 @@ class Case:
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
     dropout_p: float = 0.0
-    no_sink_head: bool = True  # head 0's sink is -inf
 
     def __str__(self) -> str:
         parts = [dtype_name(self.dtype)] if self.dtype else []
@@ -60,7 +59,8 @@ class Case:
 
 
 def _sinks(heads: int, device, no_sink_head: bool = True) -> torch.Tensor:
-    sinks = torch.randn(heads, device=device) + 2.5  # near the LSE of scores of unit variance over tens of keys
+    """Sinks near the LSE of scores of unit variance over tens of keys; head 0's -inf (no sink) if no_sink_head."""
+    sinks = torch.randn(heads, device=device) + 2.5
     if no_sink_head:
         sinks[0] = float("-inf")
     return sinks
@@ -102,7 +102,7 @@ def check_case(target, case: Case, repeat: int = 0) -> None:
     for dtype in [case.dtype] if case.dtype else dtypes_for(target):
         options = dict(causal=case.causal, window_size=case.window, softcap=case.softcap, dropout_p=case.dropout_p)
         s = case.shape
-        sinks = _sinks(s.heads, target.device, case.no_sink_head)
+        sinks = _sinks(s.heads, target.device)
         reference = dict(options, sinks=sinks)
         cu = None
         if isinstance(s, Shape):
