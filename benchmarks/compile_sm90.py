@@ -3,9 +3,9 @@
     python benchmarks/compile_sm90.py [--head-dims 64 128 256 96] [--seqlen 2048] [--cases dense causal]
                                       [--whole] [--json]
 
-For each head dim, feature set (dense, causal, window, long window, all features, varlen, block mask)
-and sequence length (the one given: whole tiles; and, unless --whole, one less: a ragged last tile), the
-forward and backward launchers run with CPU tensors while a stand-in driver reports an sm90 GPU and kernels
+For each head dim, feature set (dense, causal, causal with sinks, window, long window, all features, varlen,
+block mask) and sequence length (the one given: whole tiles; and, unless --whole, one less: a ragged last tile),
+the forward and backward launchers run with CPU tensors while a stand-in driver reports an sm90 GPU and kernels
 are compiled, not launched. Prints registers and spill (stack) bytes per kernel from the cubin (--json: one
 JSON object, build name to {"kernels": [[kernel, registers, stack bytes], ...], "error": null or why}), and
 exits non-zero if any build fails: Triton 3.6's ptxas segfaults on some TMA kernels, so run this after
@@ -109,6 +109,7 @@ def _cases(n: int, head_dim: int) -> dict:
     return {
         "dense": (False, AttentionParams(scale)),
         "causal": (False, AttentionParams(scale, window_right=0)),
+        "causal sinks": (False, AttentionParams(scale, window_right=0, sinks=torch.randn(8))),
         "window": (False, AttentionParams(scale, window_left=n // 4, window_right=0)),
         "long window": (False, AttentionParams(scale, window_left=1800, window_right=16)),  # span > SHORT_SPAN
         "features": (False, features),

@@ -124,18 +124,22 @@ def assert_close_to_reference(name: str, actual, exact, plain) -> None:
 def reference_outputs(
     q, k, v, dout, dlse, causal, softmax_scale=None, compute_dtype=torch.float64, *, cu_seqlens=None, **options
 ):
-    """out, lse, dq, dk, dv of the reference on copies of q, k, v (loss = <out, dout> + <lse, dlse>).
+    """out, lse, dq, dk, dv of the reference on copies of q, k, v (loss = <out, dout> + <lse, dlse>), and dsinks
+    after them when options give sinks.
 
     options: attention_reference's keyword options (window_size, softcap, alibi_slopes, dropout_p,
-    dropout_mask). With cu_seqlens = (cu_seqlens_q, cu_seqlens_k): the varlen reference on packed
+    dropout_mask, sinks). With cu_seqlens = (cu_seqlens_q, cu_seqlens_k): the varlen reference on packed
     q, k, v, whose options take dropout_seed instead of dropout_mask.
     """
     inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    if options.get("sinks") is not None:
+        options["sinks"] = options["sinks"].detach().clone().requires_grad_()
+        inputs.append(options["sinks"])
     common = dict(softmax_scale=softmax_scale, causal=causal, compute_dtype=compute_dtype, **options)
     if cu_seqlens is None:
-        out, lse = attention_reference(*inputs, **common)
+        out, lse = attention_reference(*inputs[:3], **common)
     else:
-        out, lse = attention_reference_varlen(*inputs, *cu_seqlens, **common)
+        out, lse = attention_reference_varlen(*inputs[:3], *cu_seqlens, **common)
     finite = torch.isfinite(lse)
     loss = (out * dout.to(out.dtype)).sum() + (lse[finite] * dlse[finite].to(lse.dtype)).sum()
     loss.backward()

@@ -219,13 +219,31 @@ def test_dropout_follows_training_mode(calls):
 
 
 @pytest.mark.skipif(not hasattr(transformers, "GptOssConfig"), reason="this transformers has no gpt-oss")
-def test_attention_sinks_raise():
+@pytest.mark.parametrize("padded", [False, True])
+def test_gpt_oss_sinks(padded, calls):
+    """gpt-oss's learnable sinks (s_aux, a (nheads,) parameter per layer; sliding and full layers in turn) against
+    transformers' eager attention, its sinks' gradients included; padded: left-padded rows of 16 and 9 real tokens
+    through varlen, against each row alone. Sinks moved away from their zero init, so that a call that dropped them
+    would show."""
     config = transformers.GptOssConfig(
-        **TINY, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW
-    )
+        **TINY, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+        experts_implementation="eager",  # torch's grouped_mm takes no fp64, which the reference runs in
+    )  # fmt: skip
     model = _model(config, NAME)
-    with pytest.raises(NotImplementedError, match="attention sinks"):
-        model(input_ids=torch.randint(1, VOCAB, (1, 8)))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(config.num_attention_heads) + 2.0)
+    ids = torch.randint(1, VOCAB, (2, 16))
+    mask = torch.ones(ids.shape, dtype=torch.long)
+    if padded:
+        mask[1, :7] = 0
+    real = mask.bool()
+    masks = dict(attention_mask=mask, position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0)) if padded else {}
+    # the gradients compared include every sinks parameter's: transformers' attention gives them one
+    assert any(name.endswith("self_attn.sinks") for name, _ in model.named_parameters())
+    _assert_matches_transformers(model, "eager", ids, real, padded, use_cache=False, **masks)
+    entry = "flash_attn_varlen_func" if padded else "flash_attn_func"
+    assert calls and all(e == entry and kwargs["sinks"] is not None for e, kwargs in calls)
 
 
 def test_custom_4d_mask_raises():

@@ -21,7 +21,7 @@ INTERPRETER = any(t.name == "cpu-interp" for t in TARGETS)
 def _run(q, k, v, p):
     out, lse = triton_backend.forward(q, k, v, p, route.forward(q, k, v, p, gpu="interpreter"))
     dout = torch.randn_like(out)
-    grads = triton_backend.backward(
+    *grads, _ = triton_backend.backward(  # the sinks' gradient: None (no sinks)
         dout,
         torch.zeros_like(lse),
         q,
@@ -79,11 +79,12 @@ def test_eager_path_refuses_double_backward():
 
 def test_eager_and_op_paths_agree(monkeypatch):
     q, k, v = (torch.randn(1, 9, 2, 16, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(2, requires_grad=True)
     grads = []
     for traced in (False, True):
         monkeypatch.setattr(torch.jit, "is_tracing", lambda traced=traced: traced)  # routes through the ops
-        out, lse, _ = flash_attn_func(q, k, v, window_size=(3, 1), return_attn_probs=True)
-        grads.append((out, lse, *torch.autograd.grad((out.sum() + lse.sum()), (q, k, v))))
+        out, lse, _ = flash_attn_func(q, k, v, window_size=(3, 1), return_attn_probs=True, sinks=sinks)
+        grads.append((out, lse, *torch.autograd.grad((out.sum() + lse.sum()), (q, k, v, sinks))))
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

@@ -70,6 +70,8 @@ def table() -> str:
             ("q shorter", *_tensors(2, n // 2, n, head_dim, torch.bfloat16), causal),
             ("deterministic", *_tensors(2, n, n, head_dim, torch.bfloat16),
              AttentionParams(head_dim**-0.5, window_right=0, deterministic=True)),
+            ("sinks", *_tensors(2, n, n, head_dim, torch.bfloat16),
+             AttentionParams(head_dim**-0.5, window_right=0, sinks=torch.zeros(16, device="meta"))),
         ):  # fmt: skip
             rows.append(_row(f"d{head_dim} causal n{n} {name}", "sm90", q, k, v, params))
         for name, lengths in (("whole tiles", [n // 2, n // 4, n // 4]), ("ragged", [n // 2 - 3, n // 4 + 3, n // 4])):

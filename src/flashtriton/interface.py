@@ -28,6 +28,7 @@ from .validation import (
     check_dropout,
     check_kvcache,
     check_qkv,
+    check_sinks,
     check_softcap,
     check_tensor,
     check_varlen,
@@ -63,6 +64,7 @@ def flash_attn_func(
     block_mask: BlockMask | None = None,
     mask_mod: Mod | None = None,
     score_mod: Mod | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> _Result:
     """Exact attention softmax(score) v, without materialising the scores.
 
@@ -99,6 +101,11 @@ def flash_attn_func(
         block_mask one is made from it with create_block_mask (default 128 x 128 tiles).
     score_mod: a @triton.jit score_mod(score, b, h, q_idx, kv_idx, *tensors) or a Mod, applied to the
         score last (after softcap and ALiBi); gradients need Mod(fn, tensors, grad=dfn).
+    sinks: (nheads,) floating (fp32; bf16 and fp16 are cast), learnable attention sinks (gpt-oss): each
+        query row's softmax has one more logit, sinks[h], in the units of the scores (after the scale),
+        which takes probability mass and adds no value, so the row's weights sum to less than 1. The LSE
+        includes it; a row that sees no key gets out 0 and LSE sinks[h]; -inf is no sink. Gradients flow
+        to it (fp32, summed over batch and rows).
     return_attn_probs: also return softmax_lse (batch, nheads, seqlen_q) in fp32 (natural log;
         gradients flow through it) and, with dropout, the attention probabilities P (batch, nheads,
         seqlen_q, seqlen_k) in fp32, negated where dropped (torch.signbit(probs) is the drop mask),
@@ -115,7 +122,7 @@ def flash_attn_func(
     masks = _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window, alibi_slopes)
     params = _params(
         q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p, deterministic,
-        return_attn_probs, q.shape[0], **masks,
+        return_attn_probs, q.shape[0], sinks=sinks, **masks,
     )  # fmt: skip
     return _attention(q, k, v, params, return_attn_probs)
 
@@ -149,7 +156,7 @@ def _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window: tuple[int, 
 
 def _params(
     q, k, v, softmax_scale, causal, window: tuple[int, int], softcap, alibi_slopes, dropout_p, deterministic,
-    return_attn_probs, batch, gradients: bool = True, **extra,
+    return_attn_probs, batch, gradients: bool = True, sinks=None, **extra,
 ) -> AttentionParams:  # fmt: skip
     """Validated user options as the AttentionParams every backend takes (window: check_window's). gradients: False
     for a call with no backward (its LSE only if asked for)."""
@@ -159,13 +166,16 @@ def _params(
     if causal:
         right = 0  # flash_attn's rule: causal is the window's right edge at the diagonal
     slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, batch, q.shape[-2], q.device)
-    needs_grad = gradients and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if sinks is not None:
+        sinks = check_sinks(sinks, q.shape[-2], q.device)
+    watched = (q, k, v) if sinks is None else (q, k, v, sinks)
+    needs_grad = gradients and torch.is_grad_enabled() and any(x.requires_grad for x in watched)
     return AttentionParams(
         softmax_scale=resolve_softmax_scale(softmax_scale, q.shape[-1]), window_left=left, window_right=right,
         softcap=float(softcap), alibi_slopes=slopes, dropout_p=float(dropout_p),
         dropout_seed=dropout.draw_seed() if dropout_p > 0 else None, deterministic=bool(deterministic),
         write_lse=bool(return_attn_probs) or needs_grad,  # an inference call writes no LSE, as SDPA's asks for none
-        **extra,
+        sinks=sinks, **extra,
     )  # fmt: skip
 
 
@@ -225,7 +235,7 @@ def _signed_probs(q, k, params: AttentionParams, slopes, mask, first_batch: int)
     probs, _ = attention_reference(
         q, k, eye, params.softmax_scale, compute_dtype=torch.float32,
         window_size=(params.window_left, params.window_right), softcap=params.softcap, alibi_slopes=slopes, mask=mask,
-        score_mod=params.score_mod,
+        score_mod=params.score_mod, sinks=params.sinks,
     )  # fmt: skip
     probs = probs.transpose(1, 2)  # (batch, heads, n_q, n_k)
     b = torch.arange(first_batch, first_batch + batch, device=q.device)[:, None, None, None]
@@ -244,6 +254,8 @@ def flash_attn_qkvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> _Result:
     """flash_attn_func on qkv: (batch, seqlen, 3, nheads, headdim), no copy of q, k, v."""
     check_tensor("qkv", qkv, 5, "(batch, seqlen, 3, nheads, headdim)")
@@ -252,7 +264,7 @@ def flash_attn_qkvpacked_func(
     q, k, v = qkv.unbind(dim=2)
     return flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-        deterministic, return_attn_probs,
+        deterministic, return_attn_probs, sinks=sinks,
     )  # fmt: skip
 
 
@@ -267,6 +279,8 @@ def flash_attn_kvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> _Result:
     """flash_attn_func on q: (batch, seqlen_q, nheads, headdim), kv: (batch, seqlen_k, 2, nheads_k, headdim)."""
     check_tensor("kv", kv, 5, "(batch, seqlen_k, 2, nheads_k, headdim)")
@@ -275,7 +289,7 @@ def flash_attn_kvpacked_func(
     k, v = kv.unbind(dim=2)
     return flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-        deterministic, return_attn_probs,
+        deterministic, return_attn_probs, sinks=sinks,
     )  # fmt: skip
 
 
@@ -296,6 +310,8 @@ def flash_attn_varlen_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     block_table: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> _Result:
     """flash_attn_func on a packed batch of sequences of different lengths, with no work on padding.
 
@@ -304,8 +320,8 @@ def flash_attn_varlen_func(
     cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32, starting at 0, non-decreasing, ending at the
     packed length. max_seqlen_q, max_seqlen_k: at least the longest sequence (they size the grid).
     Masks, offsets and dropout indices are per sequence (see flash_attn_func); alibi_slopes may be
-    (batch, nheads). Returns out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q),
-    probs (batch, nheads, max_seqlen_q, max_seqlen_k) or None).
+    (batch, nheads); sinks are flash_attn_func's. Returns out (total_q, nheads, headdim), or (out,
+    softmax_lse (nheads, total_q), probs (batch, nheads, max_seqlen_q, max_seqlen_k) or None).
 
     block_table: (batch, max_blocks) int32, paged prefill: k, v are then paged caches (num_blocks, page_size,
     nheads_k, headdim), any page size, and sequence b's key j is row j % page_size of page
@@ -321,7 +337,8 @@ def flash_attn_varlen_func(
     if block_table is not None:
         if dropout_p:
             raise ValueError("block_table (paged prefill) is for inference: pass dropout_p=0.0")
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        watched = (q, k, v) if sinks is None else (q, k, v, sinks)
+        if torch.is_grad_enabled() and any(x.requires_grad for x in watched):
             raise ValueError(
                 "block_table (paged prefill) has no backward, as in flash_attn: call it under torch.no_grad() or "
                 "pass tensors that do not require grad"
@@ -330,7 +347,7 @@ def flash_attn_varlen_func(
     batch = cu_seqlens_q.shape[0] - 1
     params = _params(
         q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p, deterministic,
-        return_attn_probs, batch, **varlen,
+        return_attn_probs, batch, sinks=sinks, **varlen,
     )  # fmt: skip
     return _attention(q, k, v, params, return_attn_probs)
 
@@ -347,6 +364,8 @@ def flash_attn_varlen_qkvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> _Result:
     """flash_attn_varlen_func on qkv: (total, 3, nheads, headdim), one cu_seqlens for q and k."""
     check_tensor("qkv", qkv, 4, "(total, 3, nheads, headdim)")
@@ -355,7 +374,7 @@ def flash_attn_varlen_qkvpacked_func(
     q, k, v = qkv.unbind(dim=1)
     return flash_attn_varlen_func(
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal, window_size,
-        softcap, alibi_slopes, deterministic, return_attn_probs,
+        softcap, alibi_slopes, deterministic, return_attn_probs, sinks=sinks,
     )  # fmt: skip
 
 
@@ -374,6 +393,8 @@ def flash_attn_varlen_kvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> _Result:
     """flash_attn_varlen_func on q: (total_q, nheads, headdim), kv: (total_k, 2, nheads_k, headdim)."""
     check_tensor("kv", kv, 4, "(total_k, 2, nheads_k, headdim)")
@@ -382,7 +403,7 @@ def flash_attn_varlen_kvpacked_func(
     k, v = kv.unbind(dim=1)
     return flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-        window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs, sinks=sinks,
     )  # fmt: skip
 
 

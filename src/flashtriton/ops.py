@@ -19,7 +19,7 @@ from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import route, schema, torch_backend
-from .params import AttentionParams, lse_shape
+from .params import AttentionParams, final_lse, keyless_lse, lse_shape, sinks_grad
 from .validation import check_cu_seqlens, host_read
 
 
@@ -40,7 +40,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
             k, v, p = _unpaged(k, v, p)
     r = route.forward(q, k, v, p)
     if r.family == route.NONE:
-        lse = q.new_full(lse_shape(q, p.varlen), p.empty_lse, dtype=torch.float32) if p.write_lse else None
+        lse = keyless_lse(lse_shape(q, p.varlen), p, q.device) if p.write_lse else None
         return torch.zeros_like(q), lse
     return _launchers(r.family).forward(q, k, v, p, r)
 
@@ -57,10 +57,11 @@ def _unpaged(k: torch.Tensor, v: torch.Tensor, p: AttentionParams):
 
 
 def backward(dout, dlse, q, k, v, out, lse, p: AttentionParams):
-    """dq, dk, dv."""
+    """dq, dk, dv, and dsinks (None without sinks)."""
     r = route.backward(dout, dlse, q, k, v, out, lse, p)
-    if r.family == route.NONE:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if r.family == route.NONE:  # out is 0: delta = -dLSE
+        dsinks = sinks_grad(p, final_lse(lse, p), -dlse)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dsinks
     return _launchers(r.family).backward(dout, dlse, q, k, v, out, lse, p, r)
 
 
@@ -78,12 +79,18 @@ def _forward_fake(q, k, v, *fields):
     return q.new_empty(q.shape), q.new_empty(shape, dtype=torch.float32)
 
 
+NO_SINKS = (0,)  # the sinks' gradient's slot in the backward op's schema, for a call without sinks
+
+
 def _backward_op(dout, dlse, q, k, v, out, lse, *fields):
-    return backward(dout, dlse, q, k, v, out, lse, schema.from_schema(fields))
+    *grads, dsinks = backward(dout, dlse, q, k, v, out, lse, schema.from_schema(fields))
+    return *grads, dsinks if dsinks is not None else q.new_empty(NO_SINKS, dtype=torch.float32)
 
 
-def _backward_fake(dout, dlse, q, k, v, *rest):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _backward_fake(dout, dlse, q, k, v, out, lse, *fields):
+    sinks = schema.from_schema(fields).sinks
+    dsinks = q.new_empty(NO_SINKS if sinks is None else sinks.shape, dtype=torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 attention_forward = torch.library.custom_op(
@@ -94,7 +101,7 @@ attention_forward.register_fake(_forward_fake)
 attention_backward = torch.library.custom_op(
     "flashtriton::attention_backward", _backward_op, mutates_args=(),
     schema=f"(Tensor dout, Tensor dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {schema.SIGNATURE}) "
-    "-> (Tensor, Tensor, Tensor)",
+    "-> (Tensor, Tensor, Tensor, Tensor)",
 )  # fmt: skip
 attention_backward.register_fake(_backward_fake)
 
@@ -105,7 +112,8 @@ attention_backward.register_fake(_backward_fake)
 
 def _gradients(
     ctx, dout, dlse, run_backward, zeros=torch.zeros_like
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """dq, dk, dv and dsinks (the backward op's empty slot or None where the call has no sinks)."""
     q, k, v, out, lse = ctx.saved_tensors
     if not lse.numel() and q.numel():
         raise RuntimeError("flashtriton: a call made without an LSE (write_lse=False) has no backward")
@@ -141,8 +149,8 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, dout, dlse):
-    grads = _gradients(ctx, dout, dlse, lambda *tensors: attention_backward(*tensors, *ctx.fields))
-    return *grads, *schema.no_grads(ctx.fields)  # no gradient reaches ALiBi slopes or a mod's tensors
+    *grads, dsinks = _gradients(ctx, dout, dlse, lambda *tensors: attention_backward(*tensors, *ctx.fields))
+    return *grads, *schema.gradients(ctx.fields, sinks=dsinks)  # none reaches ALiBi slopes or a mod's tensors
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -152,7 +160,7 @@ class _EagerAttention(torch.autograd.Function):
     # forward takes ctx (no separate setup_context): Function.apply then skips binding its arguments by signature,
     # which costs a small call tens of microseconds of host time
     @staticmethod
-    def forward(ctx, q, k, v, params: AttentionParams):
+    def forward(ctx, q, k, v, sinks, params: AttentionParams):  # sinks: params.sinks, an input autograd sees
         out, lse = forward(q, k, v, params)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.params = params
@@ -162,8 +170,7 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
-        grads = _gradients(ctx, dout, dlse, lambda *tensors: backward(*tensors, ctx.params), _shared_zeros)
-        return *grads, None
+        return *_gradients(ctx, dout, dlse, lambda *tensors: backward(*tensors, ctx.params), _shared_zeros), None
 
 
 def watched(*tensors: torch.Tensor) -> bool:
@@ -187,8 +194,9 @@ def attention(
     if watched(q, k, v):
         out, lse = attention_forward(q, k, v, *schema.to_schema(params))
         return out, lse if params.write_lse else None
-    differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if not differentiable and forward_ad._current_level < 0:  # dual tensors go to the Function, which refuses them
+    sinks = params.sinks
+    learning = q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
+    if not (torch.is_grad_enabled() and learning) and forward_ad._current_level < 0:  # the Function refuses duals
         with torch.no_grad():  # as in the Function: no gradient reaches ALiBi slopes or a mod's tensors
             return forward(q, k, v, params)  # no autograd node, no saved tensors
-    return _EagerAttention.apply(q, k, v, params)
+    return _EagerAttention.apply(q, k, v, sinks, params)

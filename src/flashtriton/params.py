@@ -22,15 +22,20 @@ bottom-right as in flash_attn):
   block_mask  (dense only, no window) query tile m visits only the key tiles the BlockMask lists for
               it; on its partial tiles, only the scores its mask_mod accepts exist
   score_mod   a user function of the score (mods.py), applied last; its Mod.grad gives the backward
+  sinks       (nheads,) fp32: row i of head h has one more logit, sinks[h] (in the units of the scores), which
+              takes probability mass and adds no value: LSE_i = log(sum_j exp(score_ij) + exp(sinks[h])),
+              O_i = sum_j exp(score_ij - LSE_i) v_j. -inf is no sink. A result with sinks is final: a split-KV or
+              ring merge adds the sink once, in one part or after the merge
   lse         natural log, fp32; a row that sees no key has O = 0 and LSE = empty_lse: +inf for a final result
               (flash_attn's: the backward's exp(S - LSE) is then 0), -inf for a partial one that a split-KV or ring
-              merge combines by log-sum-exp (an empty part then weighs nothing)
+              merge combines by log-sum-exp (an empty part then weighs nothing). With a finite sink the row is not
+              empty: O = 0 and LSE = sinks[h] (the sink alone)
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -60,6 +65,8 @@ class AttentionParams:
     deterministic: bool = False  # backward: bitwise reproducible (no atomic sums), where that costs speed
     write_lse: bool = True  # False: an inference call, whose kernels write no LSE (the op returns an empty one)
     empty_lse: float = math.inf  # the LSE of a row that sees no key (module docstring)
+    # (nheads,) fp32, contiguous. Not compared: layout keys (route._layout_key) take its layout, calls its values
+    sinks: torch.Tensor | None = field(default=None, compare=False)
 
     # Derived flags, each decided here once (cached_property writes the instance dict: frozen fields stay frozen).
 
@@ -120,3 +127,26 @@ def lse_shape(q: torch.Tensor, varlen: bool) -> tuple[int, ...]:
 def final_lse(lse: torch.Tensor, p: AttentionParams) -> torch.Tensor:
     """The LSE as the backwards read it: an empty row's is +inf (exp(S - LSE) = 0), whatever p.empty_lse."""
     return lse if p.empty_lse == math.inf else torch.where(lse == p.empty_lse, math.inf, lse)
+
+
+def keyless_lse(shape: tuple[int, ...], p: AttentionParams, device: torch.device) -> torch.Tensor:
+    """The LSE, shaped as a call's, of rows that see no key: the sink alone, or p.empty_lse where there is none."""
+    lse = torch.full(shape, p.empty_lse, dtype=torch.float32, device=device)
+    if p.sinks is None:
+        return lse
+    sinks = p.sinks.view(-1, 1).expand(shape)  # dense (B, H, N_Q) and varlen (H, total_q) alike
+    return torch.where(torch.isneginf(sinks), lse, sinks)
+
+
+def sinks_grad(p: AttentionParams, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
+    """d loss / d sinks (nheads,) fp32, or None without sinks, from the final LSE (final_lse's) and the backward's
+    delta = rowsum(dO * O) - dLSE, both shaped as the call's LSE.
+
+    With P_sink = exp(sinks[h] - LSE), dLSE/dsink = P_sink and dO/dsink = -P_sink * O, so each row adds
+    P_sink * (dLSE - rowsum(dO * O)) = -P_sink * delta (0 where the row is empty: LSE = +inf).
+    """
+    if p.sinks is None:
+        return None
+    heads = lse.dim() - 2  # the head axis: 1 dense, 0 varlen
+    terms = torch.exp(p.sinks.view(-1, 1) - lse) * delta
+    return -terms.sum(dim=[d for d in range(lse.dim()) if d != heads])

@@ -30,6 +30,7 @@ def attention_reference(
     dropout_mask: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
     score_mod: Mod | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention by definition: softmax(score) V, and the row log-sum-exp.
 
@@ -45,10 +46,12 @@ def attention_reference(
     dropout_mask: bool (batch, nheads, seqlen_q, seqlen_k), True = kept; the kept probabilities are
       scaled by 1 / (1 - dropout_p). Required when dropout_p > 0 (dropout.dropout_mask builds it).
       The lse is that of the probabilities before dropout.
+    sinks: (nheads,): each row's softmax has one more logit sinks[h], which takes probability mass and
+      multiplies no value (-inf: none).
     Computes in ``compute_dtype`` (None: the inputs' dtype, i.e. "plain PyTorch attention in the
     same dtype") and returns out (batch, seqlen_q, nheads, headdim_v) in that dtype and lse
-    (batch, nheads, seqlen_q). Rows that see no key get out = 0 and lse = +inf, as the kernels do.
-    Differentiable, including through lse.
+    (batch, nheads, seqlen_q). Rows that see no key get out = 0 and lse = +inf, as the kernels do (with a
+    finite sink: lse = the sink). Differentiable, including through lse, to the sinks too.
     """
     if dropout_p > 0 and dropout_mask is None:
         raise ValueError("dropout_p > 0 needs the keep mask: pass dropout_mask=dropout.dropout_mask(seed, ...)")
@@ -83,12 +86,17 @@ def attention_reference(
     if mask is not None:
         visible = visible & mask
     scores = scores.masked_fill(~visible, float("-inf"))
-    # Rows with no visible key: softmax over nothing. Give them finite scores so no NaN reaches
+    if sinks is not None:  # the sink's logit, one more column that the probabilities drop below
+        column = sinks.to(dtype).view(1, heads, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, column], dim=-1)
+    # Rows with no visible key (nor sink): softmax over nothing. Give them finite scores so no NaN reaches
     # autograd, then zero their output and set their lse to +inf.
     empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
     scores = scores.masked_fill(empty, 0.0)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     probs = torch.exp(scores - lse).masked_fill(empty, 0.0)
+    if sinks is not None:
+        probs = probs[..., :-1]
     if dropout_mask is not None:
         probs = probs.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
     out = torch.matmul(probs, v).transpose(1, 2)
@@ -111,6 +119,7 @@ def attention_reference_varlen(
     alibi_slopes: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """attention_reference on each sequence of a packed variable-length batch.
 
@@ -136,6 +145,7 @@ def attention_reference_varlen(
         out, lse = attention_reference(
             q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, causal, compute_dtype,
             window_size=window_size, softcap=softcap, alibi_slopes=slopes, dropout_p=dropout_p, dropout_mask=keep,
+            sinks=sinks,
         )  # fmt: skip
         outs.append(out[0])
         lses.append(lse[0])

@@ -7,8 +7,8 @@ family's launchers. The families:
   torch     the PyTorch tiled path (torch_backend.py): CPU tensors, fp32, FLASHTRITON_BACKEND=torch
   portable  the Triton kernels of kernels/forward.py and kernels/backward.py: every feature, every GPU, the interpreter
   hopper    the Gluon kernels of kernels/hopper (sm90): plain dense, causal or causal sliding-window self-attention
-            of any length, in any layout TMA reads (strides of 16-byte multiples, the last 1); the backward either
-            fused (dK/dV adding dQ up in fp32) or as a pair (dQ, then dK/dV: a fixed summation order)
+            of any length, sinks or not, in any layout TMA reads (strides of 16-byte multiples, the last 1); the
+            backward either fused (dK/dV adding dQ up in fp32) or as a pair (dQ, then dK/dV: a fixed summation order)
   decode    flash_attn_with_kvcache's split-KV kernels of kernels/decode.py (route.decode, at the end of this file)
 
 Backend (environment variable FLASHTRITON_BACKEND, read at each call):
@@ -209,6 +209,8 @@ def _layout_key(kind: str, p: AttentionParams, tensors: tuple[torch.Tensor, ...]
     if q.device.type != "cuda" or p.varlen or not p.plain or p.sparse:
         return None
     where = q.device, torch.cuda.current_device(), os.environ.get(BACKEND_ENV)
+    if p.sinks is not None:  # p compares without it (params.py): its layout is the key's, its values each call's
+        tensors = (*tensors, p.sinks)
     return kind, p, *where, tensors_layout(tensors)
 
 

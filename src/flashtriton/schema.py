@@ -97,3 +97,16 @@ def no_grads(values: Sequence) -> list:
     return [
         [None] * len(x) if isinstance(x, list) and (not x or isinstance(x[0], torch.Tensor)) else None for x in values
     ]
+
+
+_POSITIONS = {name: i for i, name in enumerate(arg.split()[-1] for _, codec in _FIELDS for arg in codec.arguments)}
+
+
+def gradients(values: Sequence, **grads: torch.Tensor | None) -> list:
+    """no_grads, but the named plain tensor fields' arguments take the given gradients where the call passed a
+    tensor for them (None where it passed none)."""
+    result = no_grads(values)
+    for name, grad in grads.items():
+        at = _POSITIONS[name]
+        result[at] = grad if values[at] is not None else None
+    return result

@@ -18,7 +18,9 @@ O(N * d + BLOCK_M * BLOCK_N) per (batch, head): no seqlen_q x seqlen_k matrix is
 Arithmetic is fp32 whatever the input dtype.
 
 Every option of AttentionParams (params.py has the semantics) is applied to a score tile in
-_scores: softcap, ALiBi, score_mod, then the window's and the block mask's element masks. Key
+_scores: softcap, ALiBi, score_mod, then the window's and the block mask's element masks. A sink is
+one more logit of each row: the tiled forward folds it into the row's running max and sum after the
+last tile, the fused one merges it into the kernel's (out, lse) by log-sum-exp. Key
 tiles wholly outside the window, or not listed by the block mask (whose tile sizes the loops then
 take), are never visited. Dropout regenerates its keep mask per tile from the seed and the global
 indices. Varlen batches run the dense code on each sequence, as a batch of one.
@@ -37,7 +39,7 @@ import torch
 from . import dropout
 from .kernels.config import TORCH_BLOCK_M, TORCH_BLOCK_N
 from .mods import evaluate_score, evaluate_score_grad
-from .params import NO_BOUND, AttentionParams, final_lse
+from .params import NO_BOUND, AttentionParams, final_lse, sinks_grad
 from .route import Route
 
 PHILOX_CHUNK = 1 << 16  # dropout mask elements drawn at once (see _dropout_scale)
@@ -244,6 +246,14 @@ def _tiled_forward(q, k, v, params: AttentionParams, first_batch: int) -> tuple[
                 probs = probs * keep_scale
             acc = acc * alpha[..., None] + torch.matmul(probs, _heads_first(v[:, n0:n1]))
             row_max = new_max
+        if params.sinks is not None:  # one more logit: mass in the row's sum, no value in acc
+            sink = params.sinks[rows.head[..., 0]]
+            new_max = torch.maximum(row_max, sink)
+            shift = torch.where(torch.isneginf(new_max), 0.0, new_max)  # no key and no sink: an empty row
+            alpha = torch.exp(row_max - shift)
+            row_sum = row_sum * alpha + torch.exp(sink - shift)
+            acc = acc * alpha[..., None]
+            row_max = shift
         empty = row_sum == 0
         out[:, m0:m1] = _ungroup_rows(acc / torch.where(empty, 1.0, row_sum)[..., None], m1 - m0)
         tile_lse = torch.where(empty, params.empty_lse, row_max + torch.log(row_sum))
@@ -262,39 +272,44 @@ def backward(
     params: AttentionParams,
     route: Route,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv (shaped and typed as q, k, v) by recomputation from q, k, v and the forward's lse.
+    """dq, dk, dv (shaped and typed as q, k, v) by recomputation from q, k, v and the forward's lse, and dsinks
+    (None without sinks).
 
     dout, out: shaped as q; dlse, lse: as forward's lse (dense (batch, nheads, seqlen_q), varlen
     (nheads, total_q)). Rows that see no key (lse = +inf) contribute nothing.
     """
     lse = final_lse(lse, params)
+    delta = None  # ATen's fused backward takes it from out itself; the tiled one and the sinks' gradient need it
+    if params.sinks is not None or not fused_serves(q, params):
+        # delta = rowsum(dO * O) - dLSE, shaped as the LSE; the dLSE term carries gradients through the returned
+        # LSE. With dropout, rowsum(dO * O) is still rowsum(P * dP), dP being the gradient of the undropped P.
+        delta = (dout.float() * out.float()).sum(-1).transpose(-2, -1) - dlse
     if not params.varlen:
-        return _dense_backward(dout, dlse, q, k, v, out, lse, params, first_batch=0)
+        dq, dk, dv = _dense_backward(dout, dlse, q, k, v, out, lse, delta, params, first_batch=0)
+        return dq, dk, dv, sinks_grad(params, lse, delta)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     for b, (rows_q, rows_k) in enumerate(_sequences(params)):
         dq_b, dk_b, dv_b = _dense_backward(
             dout[None, rows_q], dlse[None, :, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k],
-            out[None, rows_q], lse[None, :, rows_q], params, first_batch=b,
+            out[None, rows_q], lse[None, :, rows_q], None if delta is None else delta[None, :, rows_q], params,
+            first_batch=b,
         )  # fmt: skip
         dq[rows_q], dk[rows_k], dv[rows_k] = dq_b[0], dk_b[0], dv_b[0]
-    return dq, dk, dv
+    return dq, dk, dv, sinks_grad(params, lse, delta)
 
 
-def _dense_backward(dout, dlse, q, k, v, out, lse, params: AttentionParams, first_batch: int):
+def _dense_backward(dout, dlse, q, k, v, out, lse, delta, params: AttentionParams, first_batch: int):
     if fused_serves(q, params):
         return _fused_backward(dout, dlse, q, k, v, out, lse, params)
-    return _tiled_backward(dout, dlse, q, k, v, out, lse, params, first_batch)
+    return _tiled_backward(dout, q, k, v, lse, delta, params, first_batch)
 
 
-def _tiled_backward(dout, dlse, q, k, v, out, lse, params: AttentionParams, first_batch: int):
-    """Tiled dense backward on batch entries first_batch, first_batch + 1, ..."""
+def _tiled_backward(dout, q, k, v, lse, delta, params: AttentionParams, first_batch: int):
+    """Tiled dense backward on batch entries first_batch, first_batch + 1, ... (delta: backward's)."""
     batch, n_q, heads = q.shape[:3]
     n_k, heads_k = k.shape[1], k.shape[2]
-    # delta = rowsum(dO * O) - dLSE; the dLSE term carries gradients through the returned LSE.
-    # With dropout, rowsum(dO * O) is still rowsum(P * dP), dP being the gradient of the undropped P.
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2) - dlse
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.zeros(batch, heads_k, n_k, k.shape[-1], device=q.device)
     dv = torch.zeros(batch, heads_k, n_k, v.shape[-1], device=q.device)
@@ -451,6 +466,9 @@ def _fused_forward(q, k, v, params: AttentionParams) -> tuple[torch.Tensor, torc
     ]
     if len(pieces) == 1 and pieces[0].whole(n_q, n_k):  # the kernel's answer is the call's
         out, lse = parts[0]
+        if params.sinks is not None:
+            out, lse = _with_sinks(out.transpose(1, 2), lse, params)
+            return _as(out, q), lse
         return _as(out.transpose(1, 2), q), lse.contiguous()
     out = torch.zeros(batch, n_q, heads, head_dim, dtype=torch.float32)
     lse = torch.full((batch, heads, n_q), float("-inf"))
@@ -463,8 +481,22 @@ def _fused_forward(q, k, v, params: AttentionParams) -> tuple[torch.Tensor, torc
         else:
             out[:, rows], lse[:, :, rows] = part_out.transpose(1, 2), part_lse
         seen[rows] |= True if piece.seeing is None else piece.seeing
-    lse[:, :, ~seen] = params.empty_lse
+    if params.sinks is None:
+        lse[:, :, ~seen] = params.empty_lse
+        return _as(out, q), lse
+    lse[:, :, ~seen] = float("-inf")  # the kernel's LSE of a row that sees no key is 0
+    out, lse = _with_sinks(out, lse, params)
     return _as(out, q), lse
+
+
+def _with_sinks(out: torch.Tensor, lse: torch.Tensor, params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (out (B, N_Q, H, D), lse (B, H, N_Q)) of the keys alone (lse -inf where a row saw none) with each row's
+    sink merged in as one more logit: out fp32, scaled by the keys' share of the mass; lse params.empty_lse where
+    a row has neither a key nor a sink."""
+    total = torch.logaddexp(lse, params.sinks.view(-1, 1))
+    shift = torch.where(torch.isneginf(total), 0.0, total)
+    out = out.float() * torch.exp(lse - shift).transpose(1, 2)[..., None]
+    return out, torch.where(torch.isneginf(total), params.empty_lse, total)
 
 
 def _with_lse_grad(q, k, v, out, dout, dlse) -> tuple[torch.Tensor, ...]:

@@ -25,7 +25,7 @@ from .kernels.backward import (
 )
 from .kernels.forward import attention_forward_kernel
 from .launch import LOG2E, Descriptor, Launcher, Plan, Recorder, cdiv, hooked, keep, window_bound
-from .params import NO_BOUND, AttentionParams, final_lse, lse_shape
+from .params import NO_BOUND, AttentionParams, final_lse, lse_shape, sinks_grad
 
 _GRID_Y = 65535  # CUDA's largest grid along y and z
 
@@ -174,8 +174,8 @@ def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperFor
     return _FORWARD_SM90.bind((programs,))(
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
         _gluon_view(out, cfg.block_m, q.shape[3] // cfg.o_pieces) if cfg.stage_o else None, out,
-        *_strides(out, p.varlen), lse, **common, units=units, SCHEDULE=table, m_bits=bits[0], h_bits=bits[1],
-        CONSUMERS=cfg.consumers,
+        *_strides(out, p.varlen), lse, **common, SINKS=p.sinks, units=units, SCHEDULE=table, m_bits=bits[0],
+        h_bits=bits[1], CONSUMERS=cfg.consumers,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_STAGES=cfg.q_stages, STAGES=cfg.stages,
         TREE_ROWS=cfg.tree_rows, PINGPONG=cfg.pingpong,
     )  # fmt: skip
@@ -390,9 +390,9 @@ def forward(
     key = _plan_key(r)
     plan = _PLANS.get(key)
     if plan is not None:
-        made = plan(q=q, k=k, v=v)
+        made = plan(q=q, k=k, v=v, sinks=p.sinks)
         return made["out"], made.get("lse")
-    recorder = Recorder(q=q, k=k, v=v)
+    recorder = Recorder(q=q, k=k, v=v, sinks=p.sinks)
     out_dtype = q.dtype
     run_dtype = route.run_dtype(q.dtype)
     shape = q.shape
@@ -441,7 +441,7 @@ def _portable_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.Forward
         q, k, v, out, lse, _tma_view(k, block_n, block_d, cfg.tma), _tma_view(v, block_n, block_d, cfg.tma),
         *_strides(q, p.varlen), *_strides(k, p.varlen), *_strides(v, p.varlen), *_strides(out, p.varlen),
         *_lse_strides(lse, p.varlen), p.empty_lse,
-        N_Q=n_q, N_K=n_k, qk_scale=p.softmax_scale * LOG2E, H=heads, GROUP=heads // heads_k,
+        N_Q=n_q, N_K=n_k, qk_scale=p.softmax_scale * LOG2E, H=heads, GROUP=heads // heads_k, SINKS=p.sinks,
         D=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         EVEN_M=_even(n_q, block_m, p), EVEN_N=_even(n_k, _sparse_block(block_n, p.block_mask, 1), p),
         DOT_PRECISION=_dot_precision(q.dtype),
@@ -465,15 +465,39 @@ def backward(
     lse: torch.Tensor,
     p: AttentionParams,
     r: route.Route,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV by recomputation from Q, K, V and the forward's LSE (no N x N buffer), by the route's kernels."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """dQ, dK, dV by recomputation from Q, K, V and the forward's LSE (no N x N buffer), by the route's kernels; and
+    dsinks (None without sinks), from the delta their pass over dO and O wrote."""
+    dq, dk, dv, delta = _gradients(dout, dlse, q, k, v, out, lse, p, r)
+    if p.sinks is None:
+        return dq, dk, dv, None
+    if r.family == route.HOPPER:
+        delta = _unaligned(delta, p, lse.shape)
+    return dq, dk, dv, sinks_grad(p, final_lse(lse, p), delta)
+
+
+def _unaligned(rows: torch.Tensor, p: AttentionParams, shape: torch.Size) -> torch.Tensor:
+    """Values in the Gluon backward's aligned rows (_aligned_rows) laid out as the LSE (``shape``): dense, the first
+    N_Q of each head's rows; varlen, sequence b's rows from (cdiv(its start, ALIGN) + b) * ALIGN, gathered on the
+    device (no host read)."""
+    if not p.varlen:
+        return rows[..., : shape[-1]]
+    align, cu = config.LSE_ROWS_ALIGN, p.cu_seqlens_q.long()
+    starts = cu[:-1]
+    shifts = (starts + align - 1) // align * align + torch.arange(len(starts), device=cu.device) * align - starts
+    sequence = torch.repeat_interleave(torch.arange(len(starts), device=cu.device), cu.diff(), output_size=shape[1])
+    return rows[:, torch.arange(shape[1], device=cu.device) + shifts[sequence]]
+
+
+def _gradients(dout, dlse, q, k, v, out, lse, p: AttentionParams, r: route.Route):
+    """dQ, dK, dV and delta = rowsum(dO * O) - dLSE: laid out as the LSE, or on the Gluon path in aligned rows."""
     grad_dtype = q.dtype
     shapes = q.shape, k.shape, v.shape
     key = _plan_key(r)
     plan = _PLANS.get(key)
     if plan is not None:
         made = plan(dout=dout, dlse=dlse, q=q, k=k, v=v, out=out, lse=lse)
-        return _shaped((made["dq"], made["dk"], made["dv"]), shapes, grad_dtype)
+        return *_shaped((made["dq"], made["dk"], made["dv"]), shapes, grad_dtype), made["delta"]
     # the tensors as passed: a conversion's copy below is no input, and a launch reading one is not replayed
     recorder = Recorder(dout=dout, dlse=dlse, q=q, k=k, v=v, out=out, lse=lse)
     run_dtype = route.run_dtype(q.dtype)
@@ -500,7 +524,7 @@ def backward(
         recorder.add(_hopper_dq(q, k, v, out, dout, lse, dlse, delta, lse_rows, dq, p, r.config))
         recorder.add(_hopper_dkdv(q, k, v, dout, lse_rows, delta, dk, dv, None, p, r.config))
         keep(_PLANS, key, recorder)
-        return _shaped((dq, dk, dv), shapes, grad_dtype)
+        return *_shaped((dq, dk, dv), shapes, grad_dtype), delta
     block_d = config.block_d(head_dim)
     common = dict(H=heads, D=head_dim, BLOCK_D=block_d)
     lse_strides = _lse_strides(lse, p.varlen)
@@ -515,7 +539,7 @@ def backward(
         recorder.add(_hopper_dkdv(q, k, v, dout, lse_rows, delta, dk, dv, dq_sums, p, r.config))
         recorder.add(_dq_convert(dq_sums, dq, r.config))
         keep(_PLANS, key, recorder)
-        return _shaped((dq, dk, dv), shapes, grad_dtype)
+        return *_shaped((dq, dk, dv), shapes, grad_dtype), delta
     cfg = r.config
     runtime, flags = _features(p, n_q + n_k)
     flags.update(SCORE_GRAD=p.score_mod.grad if p.score_mod else None)
@@ -543,4 +567,4 @@ def backward(
         num_warps=cfg.warps_q or cfg.num_warps, num_stages=cfg.stages_q, **_tile_lists(mask, transposed=False),
         **kernel_args,
     )  # fmt: skip
-    return _shaped((dq, dk, dv), shapes, grad_dtype)
+    return *_shaped((dq, dk, dv), shapes, grad_dtype), delta

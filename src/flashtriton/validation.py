@@ -161,6 +161,22 @@ def check_alibi_slopes(alibi_slopes: torch.Tensor, batch: int, nheads: int, devi
     return alibi_slopes.expand(batch, nheads).contiguous()
 
 
+def check_sinks(sinks: torch.Tensor, nheads: int, device: torch.device) -> torch.Tensor:
+    """sinks: (nheads,), floating, on q's device. Returns it as fp32 contiguous: the kernels read fp32, and a bf16 or
+    fp16 parameter (a model's) is cast, its gradient cast back by autograd. Values are not read (that would
+    synchronise): finite, or -inf for a head without a sink."""
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor of shape (nheads,) = ({nheads},), got {type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating tensor (fp32 preferred), got {sinks.dtype}: pass sinks.float()")
+    if tuple(sinks.shape) != (nheads,):
+        raise ValueError(f"sinks must have shape (nheads,) = ({nheads},), one logit per query head; got "
+                         f"{tuple(sinks.shape)}")  # fmt: skip
+    if sinks.device != torch.device(device):
+        raise ValueError(f"sinks is on {sinks.device}, q on {device}: move it with sinks.to(q.device)")
+    return sinks.float().contiguous()
+
+
 # cu_seqlens already read to the host: tensor -> (its version counter then, its values)
 _HOST_READS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 

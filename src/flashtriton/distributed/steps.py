@@ -166,7 +166,7 @@ def finish_forward(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> 
 
 def first_backward(own: tuple[Step], dout, dlse, q, kv, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
     """The own step's gradients: the fp32 dQ accumulator and the fp32 (2, ...) dK/dV accumulator of the own shard."""
-    dq, dk, dv = ops.backward(dout, dlse, q, kv[0], kv[1], out, lse, own[0].backward_params)
+    dq, dk, dv, _ = ops.backward(dout, dlse, q, kv[0], kv[1], out, lse, own[0].backward_params)  # no sinks
     dkv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
     dkv[0], dkv[1] = dk, dv
     return dq.float(), dkv
@@ -178,7 +178,7 @@ def backward_step(pieces: tuple[Step, ...], dout, dlse, q, kv, out, lse, dq: tor
     shares = []
     for step in pieces:
         rows, keys = step.rows, step.keys
-        part_dq, dk, dv = ops.backward(
+        part_dq, dk, dv, _ = ops.backward(
             _seq(dout, rows), dlse[..., rows], _seq(q, rows), _seq(kv[0], keys), _seq(kv[1], keys), _seq(out, rows),
             lse[..., rows], step.backward_params,
         )  # fmt: skip

@@ -120,7 +120,7 @@ def _backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
               philox_seed, philox_offset, *, scale=None):  # fmt: skip
     q, k, v, params = _prepared(query, key, value, dropout_p, is_causal, scale, philox_seed if dropout_p > 0 else None)
     dout, o = _bnhd(grad_out, out)
-    dq, dk, dv = ops.backward(dout, ops._shared_zeros(logsumexp), q, k, v, o, logsumexp, params)
+    dq, dk, dv, _ = ops.backward(dout, ops._shared_zeros(logsumexp), q, k, v, o, logsumexp, params)
     # _kernel_inputs folded a negative scale's sign into q, or made q zero for a zero scale: the chain rule through it
     if scale is not None and scale < 0:
         dq = -dq

@@ -32,9 +32,9 @@ def register(name: str | None = None) -> str:
     """Register flashtriton with transformers under `name` (default "triton_attention") and return that name, to pass
     as `attn_implementation` (from_pretrained, from_config or model.set_attn_implementation).
 
-    Covers causal and bidirectional attention, GQA/MQA, scaling, dropout, `sliding_window`, `softcap`, padded batches,
-    padding-free packed batches and KV-cache decoding (dynamic and static caches). Attention sinks (gpt-oss's `s_aux`)
-    raise NotImplementedError. Attention weights (output_attentions) are not computed: None is returned for them.
+    Covers causal and bidirectional attention, GQA/MQA, scaling, dropout, `sliding_window`, `softcap`, attention sinks
+    (gpt-oss's `s_aux`), padded batches, padding-free packed batches and KV-cache decoding (dynamic and static caches).
+    Attention weights (output_attentions) are not computed: None is returned for them.
     """
     name = DEFAULT_NAME if name is None else name
     if "flash" in name:
@@ -102,16 +102,18 @@ def attention(
     module.is_causal. dropout: as given (models pass 0 outside training). sliding_window: a query sees itself and the
     sliding_window - 1 keys before it (transformers' convention; bidirectional layers also see as many after it).
     softcap: None or 0 for none. kwargs: position_ids (packed sequences), cu_seq_lens_q/k with max_length_q/k (packed
-    sequences, precomputed), s_aux (attention sinks: NotImplementedError); others are ignored.
+    sequences, precomputed), s_aux or sinks (gpt-oss's learnable sinks, (nheads,): flash_attn_func's sinks); others
+    are ignored.
 
     Returns (out (batch, seqlen_q, nheads, headdim), None).
     """
-    _check_no_sinks(kwargs)
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
+    sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
     options = dict(
-        dropout_p=dropout, softmax_scale=scaling, causal=causal, window_size=window, softcap=float(softcap or 0.0)
-    )
+        dropout_p=dropout, softmax_scale=scaling, causal=causal, window_size=window, softcap=float(softcap or 0.0),
+        sinks=sinks,
+    )  # fmt: skip
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
     if attention_mask is not None:
         return _padded(q, k, v, attention_mask, options), None
@@ -119,15 +121,6 @@ def attention(
     if packed is not None:
         return _packed(q, k, v, *packed, options), None
     return flash_attn_func(q, k, v, **options), None
-
-
-def _check_no_sinks(kwargs: dict) -> None:
-    for name in ("s_aux", "sinks"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(
-                f"attention sinks ({name}, as in gpt-oss) are not implemented in flashtriton yet: load this model with "
-                "attn_implementation='eager' or 'sdpa'"
-            )
 
 
 def _check_padding_mask(mask: torch.Tensor, batch: int) -> None:

@@ -21,6 +21,8 @@ Feature flags (tl.constexpr; params.py has the semantics)
                tensors in the tuples MASK_TENSORS / SCORE_TENSORS
   K_DESC, V_DESC   tensor descriptors of K and V's (rows, heads * D) views, or None: K/V tiles then
                come through the copy engine (TMA) instead of pointer loads
+  SINKS        (H,) fp32 or None: each row's softmax has one more logit, SINKS[h] (natural units), which
+               the epilogue folds into the running max and sum; it multiplies no V row
 
 Grid: (cdiv(N_Q, BLOCK_M), B * H), with N_Q the longest sequence under VARLEN. One program computes
 O[b, m0:m0+BLOCK_M, h, :] and its LSE (unless LSE is None):
@@ -31,7 +33,8 @@ Normalisation by l happens once, after the last tile.
 Numerics: scores are taken in base 2 with softmax_scale * LOG2E folded into one multiply
 (qk_scale), so m is in base-2 units; l and the accumulator are fp32. The LSE written out is
 natural-log (flash_attn's softmax_lse). A row that sees no key gets O = 0 and LSE = empty_lse: +inf for a
-final result, so the backward's exp2(s - LSE) is exactly 0 there, -inf for a partial one that a merge combines.
+final result, so the backward's exp2(s - LSE) is exactly 0 there, -inf for a partial one that a merge combines;
+with a finite sink, LSE = SINKS[h] (params.py).
 Masks: key tiles outside the window band (above the causal diagonal) are never visited; only tiles
 that cross a band edge (and the ragged last key tile) pay for the element mask.
 """
@@ -41,6 +44,7 @@ import triton.language as tl
 
 from .common import (
     LN2,
+    LOG2E,
     band_stretch,
     dropout_keep,
     head_program,
@@ -149,7 +153,7 @@ def attention_forward_kernel(
     stride_ob, stride_om, stride_oh,
     stride_lb, stride_lh, empty_lse,
     N_Q, N_K, qk_scale, H, GROUP,
-    CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, softcap, window_left, window_right, seed, threshold, dropout_scale,
+    CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, SINKS, softcap, window_left, window_right, seed, threshold, dropout_scale,
     TILE_NUM, TILE_IDX, FULL_NUM, FULL_IDX, stride_sb, stride_sh, MASK_TENSORS, SCORE_TENSORS,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
@@ -218,7 +222,16 @@ def attention_forward_kernel(
                 DOT_PRECISION, None if i == 1 else (1 if i == 3 else EDGE_STAGES),
             )  # fmt: skip
 
-    # epilogue: normalise once; rows that saw no key get O = 0 and LSE = empty_lse (+inf final, -inf partial)
+    if SINKS is not None:  # the sink as one more logit (base 2 here): mass in l_i, nothing in acc
+        sink = tl.load(SINKS + h) * LOG2E
+        m_new = tl.maximum(m_i, sink)
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key and no sink: the row stays empty
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.math.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    # epilogue: normalise once; rows that saw no key (nor a sink) get O = 0 and LSE = empty_lse (+inf final, -inf
+    # partial)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, empty_lse, (m_i + tl.math.log2(l_safe)) * LN2)

@@ -20,7 +20,8 @@ halves, for want of room), and a causal tile marked r = 1 hands its row blocks t
 they see unequal numbers of key tiles.
 
 Numerics: scores in base 2 (qk_scale = softmax_scale * LOG2E), so the running max m is in base-2 units; the running
-sum and O's accumulator are fp32; the LSE written out is natural-log.
+sum and O's accumulator are fp32; the LSE written out is natural-log. SINKS (H,) fp32 (natural units) or None: each
+row's sink is one more logit, folded into m and the sum after the row's last tile (params.py); it multiplies no V row.
 """
 
 from triton.experimental import gluon
@@ -30,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import tma, warpgroup_mma,
 from .primitives import (
     CONSUMER_WARPS,
     LN2,
+    LOG2E,
     PRODUCER_REGISTERS,
     PRODUCER_WARPS,
     THREE_CONSUMER_REGISTERS,
@@ -304,9 +306,9 @@ def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEF
     through shared memory and a TMA store that runs on while the next tile starts (a register store writes each
     row's columns in 16-byte pieces, 8 rows per instruction), except where a varlen sequence ends inside the rows.
     shared: what every consumer takes, (outputs, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale,
-    window_left), outputs being (O, its (batch, row, head) strides, o_store, lse_out), lse_out (LSE, its batch and
-    head strides) or () where no LSE is asked for."""
-    outputs, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale, window_left = shared
+    window_left, sinks), outputs being (O, its (batch, row, head) strides, o_store, lse_out), lse_out (LSE, its batch
+    and head strides) or () where no LSE is asked for, sinks (SINKS,) or () for none."""
+    outputs, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale, window_left, sinks = shared
     O, o_strides, o_store, lse_out = outputs
     BLOCK_M: gl.constexpr = q_ring[0][0].shape[1]
     o_layout: gl.constexpr = mma_layout(D)
@@ -339,8 +341,16 @@ def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEF
                 acc, m_i, l_i = _attend(q_smem, q_ring, k_ring, v_ring, done, it + lead, first_row, own0, n_own, n,
                                         qk_scale, window_left, turns, CAUSAL, LEFT, RAGGED, BLOCK_N, D,
                                         TREE)  # fmt: skip
+                scale = 1.0 / l_i
+                if len(sinks) > 0:  # one more logit: into the max and the sum; O's rescale joins the reciprocal
+                    sink = gl.load(sinks[0] + h) * LOG2E  # read here: held across the loop it spills at D=256
+                    m_new = gl.maximum(m_i, sink)  # every stored row has seen a key: m_i is finite
+                    alpha = gl.exp2(m_i - m_new)
+                    l_i = l_i * alpha + gl.exp2(sink - m_new)
+                    scale = alpha / l_i
+                    m_i = m_new
                 # times the row's reciprocal: a division per element costs two instructions, not one
-                acc = acc * gl.expand_dims(gl.convert_layout(1.0 / l_i, rows_o), 1)
+                acc = acc * gl.expand_dims(gl.convert_layout(scale, rows_o), 1)
                 if len(lse_out) > 0:
                     LSE, stride_lb, stride_lh = lse_out
                     lse = LSE + b * stride_lb + h * stride_lh + lse0 + first_row
@@ -372,7 +382,7 @@ def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEF
 
 @gluon.jit
 def attention_forward_sm90_kernel(
-    q_desc, k_desc, v_desc, o_desc, O, stride_ob, stride_om, stride_oh, LSE, stride_lb, stride_lh, N, H, GROUP,
+    q_desc, k_desc, v_desc, o_desc, O, stride_ob, stride_om, stride_oh, LSE, stride_lb, stride_lh, SINKS, N, H, GROUP,
     qk_scale, window_left, CU_SEQLENS, units, SCHEDULE, m_bits, h_bits, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
     VARLEN: gl.constexpr, RAGGED: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, D: gl.constexpr, Q_STAGES: gl.constexpr, STAGES: gl.constexpr, TREE_ROWS: gl.constexpr,
@@ -386,10 +396,10 @@ def attention_forward_sm90_kernel(
     VARLEN one batch row, sequence b at rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] (N the longest); RAGGED: some sequence
     is not a whole number of tiles. O: the output, (B, N, H, D) with those strides, stored from registers, or
     through o_desc (blocks of [1, BLOCK_M, 1, D or D / 2]) when that is not None; LSE: each row's natural-log LSE,
-    or None where the caller needs none. Rings of shared memory: Q_STAGES tiles per consumer warpgroup, STAGES K
-    tiles and STAGES V tiles. CAUSAL: query i sees keys j <= i, and with LEFT only j >= i - window_left.
-    TREE_ROWS: the softmax's row max and sum as trees (_row_max). PINGPONG: the consumers issue their MMAs in turns
-    (_await_turn)."""
+    or None where the caller needs none; SINKS: (H,) fp32 logits, one more per row, or None. Rings of shared memory:
+    Q_STAGES tiles per consumer warpgroup, STAGES K tiles and STAGES V tiles. CAUSAL: query i sees keys j <= i, and
+    with LEFT only j >= i - window_left. TREE_ROWS: the softmax's row max and sum as trees (_row_max). PINGPONG: the
+    consumers issue their MMAs in turns (_await_turn)."""
     k_ring = ring((tiles(k_desc, STAGES),), CONSUMERS)
     v_ring = ring((tiles(v_desc, STAGES),), CONSUMERS)
     q0 = ring((tiles(q_desc, Q_STAGES),), 1)
@@ -404,8 +414,11 @@ def attention_forward_sm90_kernel(
     lse_out = ()
     if LSE is not None:
         lse_out = (LSE, stride_lb, stride_lh)
+    sinks = ()
+    if SINKS is not None:
+        sinks = (SINKS,)
     outputs = (O, (stride_ob, stride_om, stride_oh), o_store, lse_out)
-    shared = (outputs, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale, window_left)
+    shared = (outputs, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale, window_left, sinks)
     if CONSUMERS == 2:
         gl.warp_specialize(
             [
