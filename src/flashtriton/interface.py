@@ -343,7 +343,7 @@ def flash_attn_varlen_func(
                 "block_table (paged prefill) has no backward, as in flash_attn: call it under torch.no_grad() or "
                 "pass tensors that do not require grad"
             )
-        varlen["block_table"] = block_table
+        varlen["key_pages"] = block_table
     batch = cu_seqlens_q.shape[0] - 1
     params = _params(
         q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p, deterministic,

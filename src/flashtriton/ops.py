@@ -34,9 +34,9 @@ def _launchers(family: str) -> ModuleType:
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams):
     """(out, lse) of one call, lse None unless p.write_lse."""
     if p.varlen:  # values, read on the host once per cu_seqlens tensor; here too for traced calls
-        total_k = k.shape[0] if p.block_table is None else host_read(p.cu_seqlens_k, "values", torch.Tensor.tolist)[-1]
+        total_k = k.shape[0] if p.key_pages is None else host_read(p.cu_seqlens_k, "values", torch.Tensor.tolist)[-1]
         check_cu_seqlens(p.cu_seqlens_q, p.cu_seqlens_k, q.shape[0], total_k, p.max_seqlen_q, p.max_seqlen_k)
-        if p.block_table is not None:
+        if p.key_pages is not None:
             k, v, p = _unpaged(k, v, p)
     r = route.forward(q, k, v, p)
     if r.family == route.NONE:
@@ -46,14 +46,14 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
 
 
 def _unpaged(k: torch.Tensor, v: torch.Tensor, p: AttentionParams):
-    """k, v's rows that p.block_table lists for the sequences of p.cu_seqlens_k (checked), packed as a varlen call
+    """k, v's rows that p.key_pages lists for the sequences of p.cu_seqlens_k (checked), packed as a varlen call
     takes them: (total_k, nheads_k, headdim) copies, and p without the block table."""
     starts = host_read(p.cu_seqlens_k, "values", torch.Tensor.tolist)
     lengths = torch.tensor([b - a for a, b in pairwise(starts)], device=k.device)
     sequence = torch.repeat_interleave(torch.arange(len(lengths), device=k.device), lengths, output_size=starts[-1])
     key = torch.arange(starts[-1], device=k.device) - p.cu_seqlens_k.long()[sequence]  # within its sequence
-    pages, rows = p.block_table.long()[sequence, key // k.shape[1]], key % k.shape[1]
-    return k[pages, rows], v[pages, rows], replace(p, block_table=None)
+    pages, rows = p.key_pages.long()[sequence, key // k.shape[1]], key % k.shape[1]
+    return k[pages, rows], v[pages, rows], replace(p, key_pages=None)
 
 
 def backward(dout, dlse, q, k, v, out, lse, p: AttentionParams):

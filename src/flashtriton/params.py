@@ -16,8 +16,8 @@ bottom-right as in flash_attn):
               rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of
               k, v; i, j above are indices within the sequence; lse is (nheads, total_q).
               Dense: q (batch, seqlen_q, nheads, headdim), lse (batch, nheads, seqlen_q).
-  block_table varlen only: k, v are paged caches (num_blocks, page_size, nheads_k, headdim), sequence b's key j
-              row j % page_size of page block_table[b, j // page_size]; ops.forward gathers those rows into
+  key_pages   varlen only, a block table: k, v are paged caches (num_blocks, page_size, nheads_k, headdim), key j
+              of sequence b row j % page_size of page key_pages[b, j // page_size]; ops.forward gathers them into
               packed ones first (forward only)
   block_mask  (dense only, no window) query tile m visits only the key tiles the BlockMask lists for
               it; on its partial tiles, only the scores its mask_mod accepts exist
@@ -59,7 +59,7 @@ class AttentionParams:
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
-    block_table: torch.Tensor | None = None  # (batch, max_blocks) int32: k, v are paged caches (varlen only)
+    key_pages: torch.Tensor | None = None  # (batch, max_blocks) int32 block table: k, v are paged caches (varlen)
     block_mask: Any = None  # block_mask.BlockMask: visit only its tiles, its mask_mod on partial ones
     score_mod: Any = None  # mods.Mod: score = score_mod(score, b, h, i, j, *tensors), after softcap and ALiBi
     deterministic: bool = False  # backward: bitwise reproducible (no atomic sums), where that costs speed

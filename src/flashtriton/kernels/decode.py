@@ -6,7 +6,8 @@ Notation
   N_NEW        new key/value rows appended per sequence (0: none)
   CAPACITY     cache rows a sequence may use: the cache's seqlen, or (paged) the block table's width x PAGE_SIZE
   PAGE_SIZE    rows per page of a paged cache: sequence b's row r lives in page BLOCK_TABLE[b, r // PAGE_SIZE] at
-               row r % PAGE_SIZE; a contiguous cache's row r is row r of batch row CACHE_BATCH_IDX[b] (or b)
+               row r % PAGE_SIZE; a contiguous cache's row r is row r of batch row CACHE_BATCH_IDX[b] (or b).
+               A constexpr: the row's page and slot by shifts, not divisions (paged decode 1-4% faster)
   start, end   sequence b's keys are its cache rows [start, CACHE_SEQLENS[b] + N_NEW) within the CAPACITY:
                start = CACHE_LEFTPAD[b] (or 0), key j is row start + j, N_K of them; the masks are params.py's with
                offset = end - N_Q, end = CACHE_SEQLENS[b] + N_NEW - start (rows past the cache, dropped, count)
@@ -104,7 +105,7 @@ def append_kv_kernel(
     K_NEW, V_NEW, K, V, CACHE_SEQLENS, CACHE_BATCH_IDX,
     stride_nb, stride_nn, stride_nh, stride_wb, stride_wn, stride_wh,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    BLOCK_TABLE, stride_tb, PAGE_SIZE, CAPACITY, ROT_COS, ROT_SIN, seqlen_ro, N_NEW, HKV,
+    BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr, CAPACITY, ROT_COS, ROT_SIN, seqlen_ro, N_NEW, HKV,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
@@ -137,8 +138,8 @@ def decode_split_kernel(
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lm,
-    BLOCK_TABLE, stride_tb, PAGE_SIZE, CAPACITY, ROT_COS, ROT_SIN, seqlen_ro, N_Q, N_NEW, H, HKV, GROUP, SPLITS,
-    qk_scale, softcap, window_left, window_right, rotary_step, empty_lse,
+    BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr, CAPACITY, ROT_COS, ROT_SIN, seqlen_ro, N_Q, N_NEW, H, HKV,
+    GROUP, SPLITS, qk_scale, softcap, window_left, window_right, rotary_step, empty_lse,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ROTARY_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
