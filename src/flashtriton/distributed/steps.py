@@ -16,9 +16,12 @@ as two square c * c calls (pieces), which the Hopper kernels serve (they take se
 Contiguous layout: src == r causal, src < r unmasked, src > r nothing. Without a mask every step is unmasked.
 A rank's plan is, per source rank, a tuple of such calls (Steps): none when the step computes nothing.
 
-A packed varlen batch follows the same rule document by document. A step that takes half of each document's keys
-(or queries) runs as a varlen call of two sequences per document, one of which has no queries (or no keys): the
-cu_seqlens choose the rows, so no row is copied.
+A packed varlen batch follows the same rule document by document, with square pieces too: a step that takes the
+first half of each document's keys runs as one varlen call of two sequences per document (its first and second half
+of queries), each against a copy of the document's first-half keys; a step that takes the second half of the queries
+runs its copies against the first and the second half of the keys. Queries and keys then share cu_seqlens, which
+the Hopper varlen kernels take. The copies are gathered (Gather) and their results merged or added back one copy at a
+time, so every local row is written once per scatter (deterministic without atomics).
 
 Every partial result comes with its LSE (empty rows: -inf, so they weigh nothing) and is merged into fp32
 accumulators. The backward of a step is the kernel's backward given the *merged* out and LSE: then exp(S - LSE)
@@ -47,13 +50,25 @@ ALL = slice(None)
 
 
 @dataclass(frozen=True)
+class Gather:
+    """A call's rows gathered from a shard's packed rows: the call's row i is the shard's row order[i]. copies split
+    the call's rows into groups in which each shard row appears once: (call rows, shard rows) pairs."""
+
+    order: torch.Tensor
+    copies: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+
+@dataclass(frozen=True)
 class Step:
     """One kernel call of a ring step: query rows ``rows`` of the local shard against key rows ``keys`` of the K/V
-    shard held (slices along the sequence; a varlen step takes all rows and chooses them by its cu_seqlens)."""
+    shard held (slices along the sequence; a varlen step takes all rows and chooses them by its cu_seqlens), or
+    rows gathered from them (queries, keys_from: varlen only)."""
 
     rows: slice
     keys: slice
     params: AttentionParams  # empty_lse -inf: a partial result
+    queries: Gather | None = None
+    keys_from: Gather | None = None
 
     @property
     def backward_params(self) -> AttentionParams:
@@ -88,31 +103,49 @@ def varlen_steps(
     world: int, rank: int, lengths: list[int], layout: str, causal: bool, params: AttentionParams,
     device: torch.device,
 ) -> tuple:  # fmt: skip
-    """dense_steps for a packed batch whose documents have ``lengths`` rows in the local shard (host ints). A half
-    step's call has two sequences per document, one of them with no queries or no keys (module docstring)."""
+    """dense_steps for a packed batch whose documents have ``lengths`` rows in the local shard (host ints); a zigzag
+    half step is one call on gathered copies (module docstring)."""
     starts = [0, *accumulate(lengths)]
-    ends = starts[1:]
     longest = max(lengths, default=0)
     whole = _varlen(params, starts, starts, longest, longest, device)
     if not causal:
         return ((Step(ALL, ALL, whole),),) * world
     own = Step(ALL, ALL, replace(whole, window_right=0))
     if layout == ZIGZAG:
-        half = longest // 2
-        cut = [0, *_pairs([a + n // 2 for a, n in zip(starts, lengths, strict=False)], ends)]  # first, second halves
-        # src < r: each document's queries against its first-half keys, then no queries against its second half
-        first_keys = _varlen(params, [0, *_pairs(ends, ends)], cut, longest, half, device)
-        # src > r: each document's first-half queries against no keys, then its second half against all its keys
-        second_rows = _varlen(params, cut, [0, *_pairs(starts[:-1], ends)], half, longest, device)
+        # the call's two sequences per document are its halves' places: a document's first and second half rows
+        cut = [0, *_pairs([a + n // 2 for a, n in zip(starts, lengths, strict=False)], starts[1:])]
+        halves = _varlen(params, cut, cut, longest // 2, longest // 2, device)
+        first, second = _halves(starts, lengths, device)
+        # src < r: both halves of each document's queries against copies of its first-half keys
+        first_keys = Step(ALL, ALL, halves, keys_from=_copies(first, second, first, device))
+        # src > r: copies of each document's second-half queries against its first- and second-half keys
+        second_rows = Step(ALL, ALL, halves, queries=_copies(first, second, second, device))
     steps = []
     for src in range(world):
         if src == rank:
             steps.append((own,))
         elif layout == ZIGZAG:
-            steps.append((Step(ALL, ALL, first_keys if src < rank else second_rows),))
+            steps.append((first_keys if src < rank else second_rows,))
         else:
             steps.append((Step(ALL, ALL, whole),) if src < rank else ())
     return tuple(steps)
+
+
+def _halves(starts: list[int], lengths: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shard rows of every document's first halves and of its second halves, in document order."""
+    first = [torch.arange(a, a + n // 2) for a, n in zip(starts, lengths, strict=False)]
+    second = [torch.arange(a + n // 2, a + n) for a, n in zip(starts, lengths, strict=False)]
+    return torch.cat([torch.zeros(0, dtype=torch.int64), *first]).to(device), torch.cat(
+        [torch.zeros(0, dtype=torch.int64), *second]
+    ).to(device)
+
+
+def _copies(first: torch.Tensor, second: torch.Tensor, rows: torch.Tensor, device) -> Gather:
+    """A call laid out as the shard (each document's first-half places, then its second-half places) whose both
+    places of a document hold copies of ``rows``'s rows of that document."""
+    order = torch.empty(len(first) + len(second), dtype=torch.int64, device=device)
+    order[first], order[second] = rows, rows
+    return Gather(order, ((first, rows), (second, rows)))
 
 
 def _pairs(a: list[int], b: list[int]) -> list[int]:
@@ -152,11 +185,26 @@ def first_forward(own: tuple[Step], q: torch.Tensor, kv: torch.Tensor) -> tuple[
     return out.float(), lse
 
 
+def _rows(x: torch.Tensor, rows: slice, gather: Gather | None, dim: int = 0) -> torch.Tensor:
+    """A call's rows of x: a slice along the sequence, or a Gather's (packed rows, along ``dim``)."""
+    if gather is None:
+        return _seq(x, rows) if dim == 0 else x[..., rows]
+    return x.index_select(dim, gather.order)
+
+
 def forward_step(pieces: tuple[Step, ...], q, kv, out: torch.Tensor, lse: torch.Tensor) -> None:
     """One later step: the partial result of each call's rows against its keys, merged into (out, lse)."""
     for step in pieces:
-        part = ops.forward(_seq(q, step.rows), _seq(kv[0], step.keys), _seq(kv[1], step.keys), step.params)
-        merge(_seq(out, step.rows), lse[..., step.rows], *part)
+        k, v = (_rows(x, step.keys, step.keys_from) for x in (kv[0], kv[1]))
+        part_out, part_lse = ops.forward(_rows(q, step.rows, step.queries), k, v, step.params)
+        if step.queries is None:
+            merge(_seq(out, step.rows), lse[..., step.rows], part_out, part_lse)
+            continue
+        for call_rows, rows in step.queries.copies:  # a copy at a time: each row merged once per pass
+            acc_out, acc_lse = out.index_select(0, rows), lse.index_select(-1, rows)
+            merge(acc_out, acc_lse, part_out.index_select(0, call_rows), part_lse.index_select(-1, call_rows))
+            out.index_copy_(0, rows, acc_out)
+            lse.index_copy_(-1, rows, acc_lse)
 
 
 def finish_forward(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,15 +222,20 @@ def first_backward(own: tuple[Step], dout, dlse, q, kv, out, lse) -> tuple[torch
 
 def backward_step(pieces: tuple[Step, ...], dout, dlse, q, kv, out, lse, dq: torch.Tensor) -> list[tuple]:
     """One later step: adds each call's dQ share into the fp32 dq; returns (step, dK, dV) per call, dK and dV the
-    shares of the keys ``step.keys``."""
+    shares of the call's keys (``step.keys``, or step.keys_from's copies)."""
     shares = []
     for step in pieces:
-        rows, keys = step.rows, step.keys
+        rows, gather = step.rows, step.queries
         part_dq, dk, dv, _ = ops.backward(
-            _seq(dout, rows), dlse[..., rows], _seq(q, rows), _seq(kv[0], keys), _seq(kv[1], keys), _seq(out, rows),
-            lse[..., rows], step.backward_params,
+            _rows(dout, rows, gather), _rows(dlse, rows, gather, -1), _rows(q, rows, gather),
+            _rows(kv[0], step.keys, step.keys_from), _rows(kv[1], step.keys, step.keys_from), _rows(out, rows, gather),
+            _rows(lse, rows, gather, -1), step.backward_params,
         )  # fmt: skip
-        _seq(dq, rows).add_(part_dq)
+        if gather is None:
+            _seq(dq, rows).add_(part_dq)
+        else:
+            for call_rows, local in gather.copies:
+                dq.index_add_(0, local, part_dq.index_select(0, call_rows))
         shares.append((step, dk, dv))
     return shares
 
@@ -190,8 +243,13 @@ def backward_step(pieces: tuple[Step, ...], dout, dlse, q, kv, out, lse, dq: tor
 def add_kv_grads(dkv: torch.Tensor, shares: list[tuple]) -> None:
     """Adds a step's (dK, dV) shares into the fp32 accumulator of the shard it ran against."""
     for step, dk, dv in shares:
-        _seq(dkv[0], step.keys).add_(dk)
-        _seq(dkv[1], step.keys).add_(dv)
+        if step.keys_from is None:
+            _seq(dkv[0], step.keys).add_(dk)
+            _seq(dkv[1], step.keys).add_(dv)
+            continue
+        for call_rows, rows in step.keys_from.copies:
+            dkv[0].index_add_(0, rows, dk.index_select(0, call_rows))
+            dkv[1].index_add_(0, rows, dv.index_select(0, call_rows))
 
 
 def simulate_forward(plans: list[tuple], qs: list[torch.Tensor], kvs: list[torch.Tensor]) -> list[tuple]:
