@@ -96,6 +96,7 @@ SIMULATED = [
     Case("zigzag-full-bf16", "ring", False, "bfloat16", rows=4, heads=2, heads_k=1),
     Case("contiguous-causal-fp32", "ring", True, "float32", layout=CONTIGUOUS, rows=4, heads=2, heads_k=1),
     Case("varlen-zigzag-causal-fp32", "varlen", True, "float32", heads=2, heads_k=1, documents=(2, 0, 1, 3)),
+    Case("varlen-zigzag-causal-bf16", "varlen", True, "bfloat16", heads=2, heads_k=2, documents=(1, 2)),
     Case("varlen-contiguous-causal-bf16", "varlen", True, "bfloat16", layout=CONTIGUOUS, heads=2, documents=(3, 1)),
 ]
 

@@ -235,7 +235,7 @@ def backward_step(pieces: tuple[Step, ...], dout, dlse, q, kv, out, lse, dq: tor
             _seq(dq, rows).add_(part_dq)
         else:
             for call_rows, local in gather.copies:
-                dq.index_add_(0, local, part_dq.index_select(0, call_rows))
+                dq.index_add_(0, local, part_dq.index_select(0, call_rows).to(dq.dtype))
         shares.append((step, dk, dv))
     return shares
 
@@ -248,8 +248,8 @@ def add_kv_grads(dkv: torch.Tensor, shares: list[tuple]) -> None:
             _seq(dkv[1], step.keys).add_(dv)
             continue
         for call_rows, rows in step.keys_from.copies:
-            dkv[0].index_add_(0, rows, dk.index_select(0, call_rows))
-            dkv[1].index_add_(0, rows, dv.index_select(0, call_rows))
+            dkv[0].index_add_(0, rows, dk.index_select(0, call_rows).to(dkv.dtype))
+            dkv[1].index_add_(0, rows, dv.index_select(0, call_rows).to(dkv.dtype))
 
 
 def simulate_forward(plans: list[tuple], qs: list[torch.Tensor], kvs: list[torch.Tensor]) -> list[tuple]:
