@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from itertools import accumulate
 
 import pytest
 import torch
@@ -64,6 +65,34 @@ class Shape:
     def __str__(self) -> str:
         gqa = f"h{self.heads}/{self.heads_k}" if self.heads != self.heads_k else f"h{self.heads}"
         return f"b{self.batch}-q{self.n_q}-k{self.n_k}-{gqa}-d{self.head_dim}"
+
+
+@dataclass(frozen=True)
+class Seqlens:
+    """A packed variable-length batch: sequence b has q[b] queries and k[b] keys."""
+
+    q: tuple[int, ...]
+    k: tuple[int, ...]
+    heads: int
+    heads_k: int
+    head_dim: int
+
+    def __str__(self) -> str:
+        gqa = f"h{self.heads}/{self.heads_k}" if self.heads != self.heads_k else f"h{self.heads}"
+        return f"q{','.join(map(str, self.q))}-k{','.join(map(str, self.k))}-{gqa}-d{self.head_dim}"
+
+    @property
+    def batch(self) -> int:
+        return len(self.q)
+
+
+def packed_inputs(lens: Seqlens, dtype, device):
+    """q (total_q, H, D), k, v (total_k, HKV, D) and int32 cu_seqlens_q, cu_seqlens_k."""
+    q = torch.randn(sum(lens.q), lens.heads, lens.head_dim, dtype=dtype, device=device)
+    k = torch.randn(sum(lens.k), lens.heads_k, lens.head_dim, dtype=dtype, device=device)
+    v = torch.randn(sum(lens.k), lens.heads_k, lens.head_dim, dtype=dtype, device=device)
+    cu_q, cu_k = (torch.tensor([0, *accumulate(n)], dtype=torch.int32, device=device) for n in (lens.q, lens.k))
+    return q, k, v, cu_q, cu_k
 
 
 def target_params(shapes_by_size: dict[str, list], targets=None):

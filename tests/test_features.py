@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from functools import partial
-from itertools import accumulate
 
 import pytest
 import torch
@@ -34,10 +33,12 @@ from flashtriton import (
 from flashtriton.block_mask import BlockMask, create_block_mask
 from flashtriton.mods import Mod, and_masks, causal_mask, document_mask
 from helpers import (
+    Seqlens,
     Shape,
     assert_close_to_reference,
     dtype_name,
     dtypes_for,
+    packed_inputs,
     random_qkv,
     reference_outputs,
     target_params,
@@ -46,25 +47,6 @@ from helpers import (
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
-
-
-@dataclass(frozen=True)
-class Seqlens:
-    """A packed variable-length batch: sequence b has q[b] queries and k[b] keys."""
-
-    q: tuple[int, ...]
-    k: tuple[int, ...]
-    heads: int
-    heads_k: int
-    head_dim: int
-
-    def __str__(self) -> str:
-        gqa = f"h{self.heads}/{self.heads_k}" if self.heads != self.heads_k else f"h{self.heads}"
-        return f"q{','.join(map(str, self.q))}-k{','.join(map(str, self.k))}-{gqa}-d{self.head_dim}"
-
-    @property
-    def batch(self) -> int:
-        return len(self.q)
 
 
 @dataclass(frozen=True)
@@ -134,15 +116,6 @@ def _mods(shape: Shape, device) -> tuple[BlockMask, Mod]:
     return block_mask, Mod(_gated_bias, (gates,), _gated_bias_grad)
 
 
-def _packed_inputs(lens: Seqlens, dtype, device):
-    """q (total_q, H, D), k, v (total_k, HKV, D) and int32 cu_seqlens_q, cu_seqlens_k."""
-    q = torch.randn(sum(lens.q), lens.heads, lens.head_dim, dtype=dtype, device=device)
-    k = torch.randn(sum(lens.k), lens.heads_k, lens.head_dim, dtype=dtype, device=device)
-    v = torch.randn(sum(lens.k), lens.heads_k, lens.head_dim, dtype=dtype, device=device)
-    cu_q, cu_k = (torch.tensor([0, *accumulate(n)], dtype=torch.int32, device=device) for n in (lens.q, lens.k))
-    return q, k, v, cu_q, cu_k
-
-
 def _backprop(out, lse, dout, dlse) -> None:
     finite = torch.isfinite(lse)
     ((out * dout).sum() + (lse[finite] * dlse[finite]).sum()).backward()
@@ -208,7 +181,7 @@ def check_case(target, case: Case) -> None:
                 reference.update(mask=block_mask.element_mask(b=torch.arange(s.batch), h=heads), score_mod=score_mod)
             call = partial(_run_dense, q, k, v, dout, dlse, **options)
         else:
-            q, k, v, cu_q, cu_k = _packed_inputs(case.shape, dtype, target.device)
+            q, k, v, cu_q, cu_k = packed_inputs(case.shape, dtype, target.device)
             dout = torch.randn(q.shape, dtype=dtype, device=q.device)
             dlse = torch.randn(q.shape[1], q.shape[0], device=q.device)
             call = partial(_run_varlen, case, q, k, v, cu_q, cu_k, dout, dlse, return_attn_probs=True, **options)

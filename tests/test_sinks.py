@@ -19,31 +19,25 @@ import flashtriton as ft
 from flashtriton import dropout, ops, schema, triton_backend
 from flashtriton.kernels import config
 from flashtriton.params import AttentionParams
-from helpers import TARGETS, Shape, assert_close_to_reference, dtype_name, dtypes_for, random_qkv, reference_outputs
+from helpers import (
+    TARGETS,
+    Seqlens,
+    Shape,
+    assert_close_to_reference,
+    dtype_name,
+    dtypes_for,
+    packed_inputs,
+    random_qkv,
+    reference_outputs,
+)
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 NAMES = ("out", "lse", "dq", "dk", "dv", "dsinks")
 
 
 @dataclass(frozen=True)
-class Packed:
-    """A varlen batch: sequence b has q[b] queries and k[b] keys."""
-
-    q: tuple[int, ...]
-    k: tuple[int, ...]
-    heads: int
-    heads_k: int
-    head_dim: int
-
-    def __str__(self) -> str:
-        return (
-            f"q{','.join(map(str, self.q))}-k{','.join(map(str, self.k))}-h{self.heads}/{self.heads_k}-d{self.head_dim}"
-        )
-
-
-@dataclass(frozen=True)
 class Case:
-    shape: Shape | Packed
+    shape: Shape | Seqlens
     dtype: torch.dtype | None = None  # None: every dtype of the target
     causal: bool = False
     window: tuple[int, int] = (-1, -1)
@@ -64,13 +58,6 @@ def _sinks(heads: int, device, no_sink_head: bool = True) -> torch.Tensor:
     if no_sink_head:
         sinks[0] = float("-inf")
     return sinks
-
-
-def _packed_inputs(lens: Packed, dtype, device):
-    q = torch.randn(sum(lens.q), lens.heads, lens.head_dim, dtype=dtype, device=device)
-    k, v = (torch.randn(sum(lens.k), lens.heads_k, lens.head_dim, dtype=dtype, device=device) for _ in range(2))
-    cu_q, cu_k = (torch.tensor([0, *accumulate(n)], dtype=torch.int32, device=device) for n in (lens.q, lens.k))
-    return q, k, v, cu_q, cu_k
 
 
 def _backprop(out, lse, dout, dlse) -> None:
@@ -109,7 +96,7 @@ def check_case(target, case: Case, repeat: int = 0) -> None:
             q, k, v = random_qkv(s, dtype, target.device, requires_grad=False)
             dlse = torch.randn(s.batch, s.heads, s.n_q, device=q.device)
         else:
-            q, k, v, cu_q, cu_k = _packed_inputs(s, dtype, target.device)
+            q, k, v, cu_q, cu_k = packed_inputs(s, dtype, target.device)
             cu = (cu_q, cu_k, max(s.q), max(s.k))
             dlse = torch.randn(s.heads, q.shape[0], device=q.device)
         dout = torch.randn(q.shape, dtype=dtype, device=q.device)
@@ -141,14 +128,14 @@ CASES = {
     "tiny": [
         Case(Shape(2, 33, 40, 4, 2, 24), F16, causal=True),
         Case(Shape(1, 45, 30, 2, 1, 16), F32, window=(6, 2)),
-        Case(Packed((5, 0, 17, 40, 3), (7, 3, 17, 25, 0), 4, 2, 16), F32, causal=True),
+        Case(Seqlens((5, 0, 17, 40, 3), (7, 3, 17, 25, 0), 4, 2, 16), F32, causal=True),
         Case(Shape(2, 40, 40, 2, 1, 16), F32, dropout_p=0.2),
     ],
     "cpu": [
         Case(Shape(2, 300, 260, 4, 2, 72), BF16, causal=True),
         Case(Shape(2, 257, 200, 4, 1, 40), F32, window=(50, 10)),
         Case(Shape(1, 200, 113, 2, 2, 64), F16, softcap=3.0),
-        Case(Packed((1, 0, 130, 300, 77), (1, 5, 200, 530, 0), 2, 1, 64), F32, causal=True, window=(64, -1)),
+        Case(Seqlens((1, 0, 130, 300, 77), (1, 5, 200, 530, 0), 2, 1, 64), F32, causal=True, window=(64, -1)),
         Case(Shape(2, 300, 300, 4, 2, 64), F32, dropout_p=0.15),
     ],
     "gpu": [
@@ -157,8 +144,8 @@ CASES = {
         Case(Shape(1, 4096, 4096, 4, 2, 64), causal=True, window=(2500, -1)),
         Case(Shape(2, 1024, 1024, 4, 2, 256), causal=True),
         Case(Shape(2, 1000, 1300, 8, 2, 96), window=(128, 64)),  # the portable kernels
-        Case(Packed((256, 0, 1024, 128), (256, 0, 1024, 128), 8, 4, 128), causal=True),  # Gluon varlen rows
-        Case(Packed((1, 0, 1000, 333, 700), (1, 9, 1500, 200, 0), 8, 2, 128), causal=True),
+        Case(Seqlens((256, 0, 1024, 128), (256, 0, 1024, 128), 8, 4, 128), causal=True),  # Gluon varlen rows
+        Case(Seqlens((1, 0, 1000, 333, 700), (1, 9, 1500, 200, 0), 8, 2, 128), causal=True),
         Case(Shape(2, 1000, 1000, 8, 2, 128), dropout_p=0.1),
     ],
 }

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from ..distributed import ring_flash_attn_func, ring_flash_attn_varlen_func, ulysses_flash_attn_func
 from .cases import attention_flops
 from .results import environment, write_json
+from .timing import peak_extra_mib
 
 PER_GPU_TOKENS = (32768, 131072)
 HEADS = ((16, 16), (32, 8))
@@ -219,7 +220,7 @@ def run_case(case: RingCase, providers: list[str], group, device: torch.device, 
                     forward().backward(grad)
 
             step()
-            result.peak_mib = _peak_mib(step, device)
+            result.peak_mib = peak_extra_mib(step, device)
             steps[provider] = step
         except Exception as exc:  # a peer that does not run this case: say why, time the others
             result.unavailable = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
@@ -238,17 +239,6 @@ def run_case(case: RingCase, providers: list[str], group, device: torch.device, 
         if result.peak_mib is not None:
             result.peak_mib = _slowest([result.peak_mib], group)[0]
     return results
-
-
-def _peak_mib(step, device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    step()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
 
 def attach_efficiency(results: list[RingResult]) -> None:
