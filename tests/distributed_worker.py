@@ -25,6 +25,7 @@ from flashtriton.distributed import (
 from flashtriton.distributed import steps as S
 
 NAMES = ("out", "lse", "dq", "dk", "dv")  # what a case returns
+_GROUPS: dict[tuple[int, int], dict] = {}  # (world, ulysses size): this rank's groups, made by every rank in turn
 TIMEOUT = timedelta(seconds=60)  # a rank stuck in a transfer fails the test instead of hanging it
 
 
@@ -45,6 +46,11 @@ class Case:
     documents: tuple[int, ...] = ()
     window: tuple[int, int] = (-1, -1)
     deterministic: bool = False
+    ulysses: int = 1  # > 1: the ring's 2-D form, groups of this many consecutive ranks trading heads
+
+    def groups(self, world: int) -> dict:
+        """The ring's group and ulysses_group of this rank (ring_flash_attn_func's 2-D form), or none."""
+        return _GROUPS[(world, self.ulysses)] if self.ulysses > 1 else {}
 
     def lengths(self, world: int) -> list[int]:
         return [n * world * L.chunks_per_rank(self.layout) for n in self.documents]
@@ -80,7 +86,7 @@ def _call(case: Case, x: dict, q, k, v):
         return ring_flash_attn_varlen_func(q, k, v, x["cu_seqlens"], int(lengths.max()), **options)
     if case.api == "ulysses":
         return ulysses_flash_attn_func(q, k, v, window_size=case.window, **options)
-    return ring_flash_attn_func(q, k, v, **options)
+    return ring_flash_attn_func(q, k, v, **options, **case.groups(dist.get_world_size()))
 
 
 def _run(case: Case, x: dict) -> dict[str, torch.Tensor]:
@@ -89,8 +95,9 @@ def _run(case: Case, x: dict) -> dict[str, torch.Tensor]:
         local = {name: shard_varlen(x[name], x["cu_seqlens"], layout=case.layout) for name in ("q", "k", "v", "dout")}
         local["dlse"] = shard_varlen(x["dlse"].t(), x["cu_seqlens"], layout=case.layout).t()
     else:
-        local = {name: shard(x[name], layout=case.layout) for name in ("q", "k", "v", "dout")}
-        local["dlse"] = shard(x["dlse"], layout=case.layout, dim=2)
+        groups = case.groups(dist.get_world_size())
+        local = {name: shard(x[name], layout=case.layout, **groups) for name in ("q", "k", "v", "dout")}
+        local["dlse"] = shard(x["dlse"], layout=case.layout, dim=2, **groups)
     q, k, v = (local[name].clone().requires_grad_() for name in ("q", "k", "v"))
     out, lse = _call(case, x, q, k, v)
     ((out * local["dout"]).sum() + (lse * local["dlse"]).sum()).backward()
@@ -99,7 +106,7 @@ def _run(case: Case, x: dict) -> dict[str, torch.Tensor]:
 
 def _unshard(case: Case, x: dict, name: str, t: torch.Tensor) -> torch.Tensor:
     if case.api != "varlen":
-        return unshard(t, layout=case.layout, dim=2 if name == "lse" else 1)
+        return unshard(t, layout=case.layout, dim=2 if name == "lse" else 1, **case.groups(dist.get_world_size()))
     if name == "lse":  # (nheads, total): the packed rows are its second dim
         return unshard_varlen(t.t(), x["cu_seqlens"], layout=case.layout).t()
     return unshard_varlen(t, x["cu_seqlens"], layout=case.layout)
@@ -170,8 +177,23 @@ def _refusals(world: int) -> dict[str, str]:
     return errors
 
 
+def _make_groups(world: int, sizes: set[int]) -> None:
+    """For each Ulysses size u: groups of u consecutive ranks, and rings of the ranks at the same place in them."""
+    rank = dist.get_rank()
+    for u in sorted(sizes):
+        for first in range(0, world, u):
+            group = dist.new_group(list(range(first, first + u)))
+            if first <= rank < first + u:
+                _GROUPS[(world, u)] = {"ulysses_group": group}
+        for place in range(u):
+            group = dist.new_group(list(range(place, world, u)))
+            if rank % u == place:
+                _GROUPS[(world, u)]["group"] = group
+
+
 def worker(rank: int, world: int, store: str, cases: list[Case], out_path: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=TIMEOUT)
+    _make_groups(world, {case.ulysses for case in cases if case.ulysses > 1 and world % case.ulysses == 0})
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = True  # torch.empty gives NaN: unwritten rows would show
     saved = {}
@@ -182,7 +204,7 @@ def worker(rank: int, world: int, store: str, cases: list[Case], out_path: str) 
         if case.deterministic:
             again = _run(case, x)
             result["repeats"] = _everywhere(all(torch.equal(mine[n], again[n]) for n in NAMES))
-        if case.api != "ulysses":
+        if case.api != "ulysses" and case.ulysses == 1:
             simulated = simulate(case, x, world)[rank]
             result["simulated"] = _everywhere(all(torch.equal(simulated[n], mine[n]) for n in NAMES))
         saved[case.name] = result

@@ -106,20 +106,39 @@ def local_cu_seqlens(cu_seqlens: torch.Tensor, world: int) -> torch.Tensor:
     return torch.div(cu_seqlens, world, rounding_mode="floor").to(torch.int32)
 
 
-def shard(x: torch.Tensor, group: dist.ProcessGroup | None = None, layout: str = ZIGZAG, dim: int = 1) -> torch.Tensor:
+def shard(
+    x: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    layout: str = ZIGZAG,
+    dim: int = 1,
+    ulysses_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
     """This rank's shard of the full sequence x along ``dim`` (every rank passes the same x).
 
     x: (batch, seqlen, ...) for the default dim 1; seqlen must be a multiple of 2 * world (zigzag) or world
-    (contiguous). Returns (batch, seqlen / world, ...): a copy for zigzag, a view for contiguous.
+    (contiguous). Returns (batch, seqlen / world, ...): a copy for zigzag, a view for contiguous. With an
+    ulysses_group (ring_flash_attn_func's 2-D form), ``group`` is the ring's: the ring shard is cut again into the
+    Ulysses group's contiguous parts, one per rank of it.
     """
     world, rank = world_and_rank(group)
-    return split(x, world, layout, dim)[rank]
+    x = split(x, world, layout, dim)[rank]
+    if ulysses_group is None:
+        return x
+    parts, part = world_and_rank(ulysses_group)
+    return split(x, parts, CONTIGUOUS, dim)[part]
 
 
 def unshard(
-    x: torch.Tensor, group: dist.ProcessGroup | None = None, layout: str = ZIGZAG, dim: int = 1
+    x: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    layout: str = ZIGZAG,
+    dim: int = 1,
+    ulysses_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """The full sequence from every rank's shard x along ``dim`` (all-gathered; every rank gets it)."""
+    """The full sequence from every rank's shard x along ``dim`` (all-gathered; every rank gets it); shard's
+    inverse, ulysses_group included."""
+    if ulysses_group is not None:
+        x = unshard(x, ulysses_group, CONTIGUOUS, dim)
     world, _ = world_and_rank(group)
     if world == 1:
         return x

@@ -17,6 +17,7 @@ from . import steps as S
 from .checks import check_group, check_local_rows, check_self_attention, ring_scale, ring_window
 from .comm import Ring
 from .layout import ZIGZAG, document_lengths, world_and_rank
+from .ulysses import AllToAll, check_heads
 
 
 class _Call:
@@ -88,6 +89,7 @@ def ring_flash_attn_func(
     deterministic: bool = False,
     return_lse: bool = False,
     layout: str = ZIGZAG,
+    ulysses_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence split across the ranks of ``group``, on this rank's shard.
 
@@ -101,6 +103,12 @@ def ring_flash_attn_func(
     None: the default group, or no communication at all when torch.distributed is not initialised.
     deterministic: bitwise reproducible gradients (the ring adds the steps' shares in a fixed order either way).
 
+    ulysses_group: the 2-D form. The sequence is split over ``group`` (the ring) and each ring shard again over
+    ulysses_group in contiguous parts (shard(x, group, layout, ulysses_group=...) cuts it so); an all-to-all over
+    ulysses_group trades the parts for whole ring shards of 1 / its size of the heads (nheads and nheads_k multiples
+    of its size), the ring runs on those, and the output goes back the same way. Each ring then moves 1 / its size
+    of the K/V heads.
+
     Returns out: (batch, seqlen / world, nheads, headdim) in q's dtype, and with return_lse the natural-log LSE
     (batch, nheads, seqlen / world) in fp32. Differentiable in q, k, v (and through the LSE). Every call (forward
     and backward) is a collective: every rank of the group must make it.
@@ -111,11 +119,25 @@ def ring_flash_attn_func(
     scale = ring_scale(softmax_scale, q.shape[-1])
     check_group(group, q)
     world, rank = world_and_rank(group)
-    check_local_rows(q.shape[1], world, layout)
+    parts = 1
+    if ulysses_group is not None:
+        check_group(ulysses_group, q)
+        parts, _ = world_and_rank(ulysses_group)
+        check_heads(q.shape[2], k.shape[2], parts)
+    check_local_rows(q.shape[1] * parts, world, layout)
     params = S.partial_params(scale, bool(deterministic))
-    call = _Call(group, world, rank, S.dense_steps(world, rank, q.shape[1], layout, bool(causal), params))
+    call = _Call(group, world, rank, S.dense_steps(world, rank, q.shape[1] * parts, layout, bool(causal), params))
+    if parts == 1:
+        out, lse = _RingAttention.apply(q, k, v, call)
+        return (out, lse) if return_lse else out
+    q, k, v = (AllToAll.apply(x, ulysses_group, parts, True) for x in (q, k, v))
     out, lse = _RingAttention.apply(q, k, v, call)
-    return (out, lse) if return_lse else out
+    out = AllToAll.apply(out, ulysses_group, parts, False)
+    if not return_lse:
+        return out
+    return out, AllToAll.apply(lse.transpose(1, 2).unsqueeze(-1), ulysses_group, parts, False).squeeze(-1).transpose(
+        1, 2
+    )
 
 
 def ring_flash_attn_varlen_func(

@@ -38,7 +38,7 @@ def _heads_to_sequence(x: torch.Tensor, group, world: int) -> torch.Tensor:
     return _exchange(send, group).permute(1, 2, 0, 3, 4).reshape(b, n, world * heads, d)
 
 
-class _AllToAll(torch.autograd.Function):
+class AllToAll(torch.autograd.Function):
     """_sequence_to_heads (to_heads) or _heads_to_sequence; the gradient goes back by the other one."""
 
     @staticmethod
@@ -98,10 +98,10 @@ def ulysses_flash_attn_func(
     check_heads(q.shape[2], k.shape[2], world)
 
     def gather(x: torch.Tensor) -> torch.Tensor:
-        return x if world == 1 else _natural(_AllToAll.apply(x, group, world, True), world, layout)
+        return x if world == 1 else _natural(AllToAll.apply(x, group, world, True), world, layout)
 
     def scatter(x: torch.Tensor) -> torch.Tensor:
-        return x if world == 1 else _AllToAll.apply(_rank_order(x, world, layout), group, world, False)
+        return x if world == 1 else AllToAll.apply(_rank_order(x, world, layout), group, world, False)
 
     out, lse, _ = flash_attn_func(
         gather(q), gather(k), gather(v), softmax_scale=softmax_scale, causal=causal, window_size=window,
