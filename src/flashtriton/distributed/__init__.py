@@ -2,7 +2,8 @@
 
   shard, unshard                  a full sequence -> this rank's shard and back (layout.py: zigzag or contiguous)
   shard_varlen, unshard_varlen    the same for a packed batch of documents, document by document
-  ring_flash_attn_func            exact attention on the shards, K/V passed around a ring (ring.py, steps.py)
+  ring_flash_attn_func            exact attention on the shards, K/V passed around a ring (ring.py, steps.py);
+                                  with an ulysses_group, ring x Ulysses (2-D)
   ring_flash_attn_varlen_func     the same on a packed batch's shards, with the global cu_seqlens
   ulysses_flash_attn_func         exact attention by all-to-all over heads (ulysses.py)
 
