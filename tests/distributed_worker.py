@@ -168,6 +168,7 @@ def _refusals(world: int) -> dict[str, str]:
         "ulysses_heads": lambda: ulysses_flash_attn_func(q, q, q),
         "ring_window": lambda: ring_flash_attn_func(q, q, q, window_size=(4, 0)),
         "zigzag_rows": lambda: ring_flash_attn_func(q[:, 1:], q[:, 1:], q[:, 1:]),
+        "two_d_heads": lambda: ring_flash_attn_func(q, q, q, **_GROUPS[(world, 2)]),
     }.items():
         try:
             call()

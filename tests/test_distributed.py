@@ -184,6 +184,7 @@ def test_gloo_groups_match_the_reference(world, tmp_path):
     assert refusals["ulysses_heads"].startswith("ValueError") and f"multiples of {world}" in refusals["ulysses_heads"]
     assert refusals["ring_window"].startswith("NotImplementedError: the ring does not implement window_size")
     assert refusals["zigzag_rows"].startswith("ValueError") and "pad it to" in refusals["zigzag_rows"]
+    assert refusals["two_d_heads"].startswith("ValueError") and "multiples of 2" in refusals["two_d_heads"]
 
 
 def test_the_ring_bench_in_one_process_measures_world_1_and_says_how_to_scale(tmp_path, monkeypatch, capsys):
