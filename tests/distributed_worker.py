@@ -25,7 +25,7 @@ from flashtriton.distributed import (
 from flashtriton.distributed import steps as S
 
 NAMES = ("out", "lse", "dq", "dk", "dv")  # what a case returns
-_GROUPS: dict[tuple[int, int], dict] = {}  # (world, ulysses size): this rank's groups, made by every rank in turn
+_GROUPS: dict[tuple, dict] = {}  # (world, ulysses size): this rank's groups, made by every rank in turn
 TIMEOUT = timedelta(seconds=60)  # a rank stuck in a transfer fails the test instead of hanging it
 
 
@@ -164,12 +164,20 @@ def _refusals(world: int) -> dict[str, str]:
     """The errors of calls every rank makes wrongly in the same way: each must be raised before any transfer."""
     q = torch.randn(1, 2 * world, 2 * world - 1, 16)
     errors = {}
-    for name, call in {
+    calls = {
         "ulysses_heads": lambda: ulysses_flash_attn_func(q, q, q),
         "ring_window": lambda: ring_flash_attn_func(q, q, q, window_size=(4, 0)),
         "zigzag_rows": lambda: ring_flash_attn_func(q[:, 1:], q[:, 1:], q[:, 1:]),
         "two_d_heads": lambda: ring_flash_attn_func(q, q, q, **_GROUPS[(world, 2)]),
-    }.items():
+        "two_d_no_ring": lambda: ring_flash_attn_func(q, q, q, ulysses_group=_GROUPS[(world, 2)]["ulysses_group"]),
+        "two_d_same_groups": lambda: ring_flash_attn_func(
+            q, q, q, group=_GROUPS[(world, 2)]["ulysses_group"], ulysses_group=_GROUPS[(world, 2)]["ulysses_group"]
+        ),
+    }
+    if world == 4:  # a ring of ranks at different places in their Ulysses groups: 0 (first of 0, 1), 3 (second of 2, 3)
+        crossed = {"group": _GROUPS[(world, "crossed")], "ulysses_group": _GROUPS[(world, 2)]["ulysses_group"]}
+        calls["two_d_crossed"] = lambda: ring_flash_attn_func(q, q, q, **crossed)
+    for name, call in calls.items():
         try:
             call()
             errors[name] = "no error"
@@ -190,6 +198,11 @@ def _make_groups(world: int, sizes: set[int]) -> None:
             group = dist.new_group(list(range(place, world, u)))
             if rank % u == place:
                 _GROUPS[(world, u)]["group"] = group
+    if world == 4:  # rings across places, for a refusal: {0, 3} and {1, 2}
+        for ranks in ([0, 3], [1, 2]):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                _GROUPS[(world, "crossed")] = group
 
 
 def worker(rank: int, world: int, store: str, cases: list[Case], out_path: str) -> None:

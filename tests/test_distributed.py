@@ -138,6 +138,18 @@ REFUSED = {
         ValueError,
         "document 0's length is 5",
     ),
+    "cu_seqlens start": (
+        lambda: ring_flash_attn_varlen_func(*(x[0] for x in _qkv(12)), torch.tensor([2, 8, 14], dtype=torch.int32), 8),
+        ValueError,
+        "must start at 0",
+    ),
+    "cu_seqlens order": (
+        lambda: ring_flash_attn_varlen_func(
+            *(x[0] for x in _qkv(12)), torch.tensor([0, 8, 4, 12], dtype=torch.int32), 8
+        ),
+        ValueError,
+        "never decrease",
+    ),
     "global cu_seqlens": (
         lambda: ring_flash_attn_varlen_func(*(x[0, :6] for x in _qkv(12)), CU, 8),
         ValueError,
@@ -185,6 +197,10 @@ def test_gloo_groups_match_the_reference(world, tmp_path):
     assert refusals["ring_window"].startswith("NotImplementedError: the ring does not implement window_size")
     assert refusals["zigzag_rows"].startswith("ValueError") and "pad it to" in refusals["zigzag_rows"]
     assert refusals["two_d_heads"].startswith("ValueError") and "multiples of 2" in refusals["two_d_heads"]
+    assert refusals["two_d_no_ring"].startswith("ValueError") and "pass group=" in refusals["two_d_no_ring"]
+    assert refusals["two_d_same_groups"].startswith("ValueError") and "no other" in refusals["two_d_same_groups"]
+    if world == 4:
+        assert refusals["two_d_crossed"].startswith("ValueError") and "one place" in refusals["two_d_crossed"]
 
 
 def test_the_ring_bench_in_one_process_measures_world_1_and_says_how_to_scale(tmp_path, monkeypatch, capsys):

@@ -18,6 +18,8 @@ def check_group(group: dist.ProcessGroup | None, q: torch.Tensor) -> None:
         return
     if dist.get_backend(group) == "nccl" and q.device.type != "cuda":
         raise ValueError(f"the group's backend is NCCL, which moves CUDA tensors; q is on {q.device}: use a gloo group")
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"rank {dist.get_rank()} is not in the group it passed: call with a group this rank is in")
 
 
 def check_self_attention(q: torch.Tensor, k: torch.Tensor, seq_dim: int) -> None:

@@ -57,6 +57,36 @@ def world_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+_TWO_D_CHECKED: set[tuple[int, int]] = set()  # (ring group, Ulysses group) pairs found consistent on every rank
+
+
+def check_two_d(group: dist.ProcessGroup | None, ulysses_group: dist.ProcessGroup) -> None:
+    """The 2-D form's groups: a ring group that meets this rank's Ulysses group in this rank alone, made of the ranks
+    at one place in their Ulysses groups (so every ring rank holds the same share of the heads). The second part is
+    an all-gather over the ring group, once per pair of groups; every rank of it raises alike."""
+    if group is None:
+        raise ValueError("ulysses_group needs the ring's own group: pass group= (the ranks at this rank's place in "
+                         "their Ulysses groups)")  # fmt: skip
+    rank = dist.get_rank()
+    ring, heads = dist.get_process_group_ranks(group), dist.get_process_group_ranks(ulysses_group)
+    if set(ring) & set(heads) != {rank}:
+        raise ValueError(
+            f"the ring's group {ring} and the Ulysses group {heads} must share this rank ({rank}) and no other: a "
+            "ring takes one rank of each Ulysses group"
+        )
+    key = (id(group), id(ulysses_group))
+    if key in _TWO_D_CHECKED:
+        return
+    places = [None] * dist.get_world_size(group)
+    dist.all_gather_object(places, dist.get_rank(ulysses_group), group=group)
+    if len(set(places)) != 1:
+        raise ValueError(
+            f"the ring's ranks {ring} sit at places {places} of their Ulysses groups: a ring must take the ranks at "
+            "one place (they then hold the same heads)"
+        )
+    _TWO_D_CHECKED.add(key)
+
+
 def split(x: torch.Tensor, world: int, layout: str = ZIGZAG, dim: int = 1) -> list[torch.Tensor]:
     """Every rank's shard of the full sequence x (along ``dim``): views for contiguous, copies for zigzag."""
     check_layout(layout)
@@ -92,11 +122,19 @@ def join_varlen(shards: list[torch.Tensor], cu_seqlens: torch.Tensor, layout: st
 
 
 def document_lengths(cu_seqlens: torch.Tensor, world: int, layout: str) -> list[int]:
-    """The documents' global lengths, read on the host, each checked to split evenly."""
+    """The documents' global lengths, read on the host: cu_seqlens from 0, never decreasing, each length split
+    evenly by the layout."""
     check_layout(layout)
     starts = cu_seqlens.tolist()
+    if starts[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0 (cumulative document lengths), got cu_seqlens[0] = {starts[0]}")
     lengths = [b - a for a, b in pairwise(starts)]
     for d, n in enumerate(lengths):
+        if n < 0:
+            raise ValueError(
+                f"cu_seqlens must never decrease (cumulative document lengths): cu_seqlens[{d}] = {starts[d]} > "
+                f"cu_seqlens[{d + 1}] = {starts[d + 1]}"
+            )
         check_divisible(n, world, layout, f"document {d}'s length")
     return lengths
 
@@ -120,6 +158,8 @@ def shard(
     ulysses_group (ring_flash_attn_func's 2-D form), ``group`` is the ring's: the ring shard is cut again into the
     Ulysses group's contiguous parts, one per rank of it.
     """
+    if ulysses_group is not None:
+        check_two_d(group, ulysses_group)
     world, rank = world_and_rank(group)
     x = split(x, world, layout, dim)[rank]
     if ulysses_group is None:
@@ -138,6 +178,7 @@ def unshard(
     """The full sequence from every rank's shard x along ``dim`` (all-gathered; every rank gets it); shard's
     inverse, ulysses_group included."""
     if ulysses_group is not None:
+        check_two_d(group, ulysses_group)
         x = unshard(x, ulysses_group, CONTIGUOUS, dim)
     world, _ = world_and_rank(group)
     if world == 1:

@@ -16,7 +16,7 @@ from ..validation import check_qkv, check_varlen, host_read
 from . import steps as S
 from .checks import check_group, check_local_rows, check_self_attention, ring_scale, ring_window
 from .comm import Ring
-from .layout import ZIGZAG, document_lengths, world_and_rank
+from .layout import ZIGZAG, check_two_d, document_lengths, world_and_rank
 from .ulysses import AllToAll, check_heads
 
 
@@ -122,6 +122,7 @@ def ring_flash_attn_func(
     parts = 1
     if ulysses_group is not None:
         check_group(ulysses_group, q)
+        check_two_d(group, ulysses_group)
         parts, _ = world_and_rank(ulysses_group)
         check_heads(q.shape[2], k.shape[2], parts)
     check_local_rows(q.shape[1] * parts, world, layout)
@@ -177,8 +178,8 @@ def ring_flash_attn_varlen_func(
     lengths = host_read(cu_seqlens, ("ring lengths", world, layout), lambda cu: document_lengths(cu, world, layout))
     if sum(lengths) != world * q.shape[0]:
         raise ValueError(
-            f"cu_seqlens ends at {sum(lengths)}, but {world} ranks x {q.shape[0]} local rows is {world * q.shape[0]}: "
-            "pass the global cu_seqlens of the full packed batch"
+            f"cu_seqlens ends at {sum(lengths)} (its last entry), but {world} ranks x {q.shape[0]} local rows is "
+            f"{world * q.shape[0]}: pass the global cu_seqlens of the full packed batch"
         )
     if max(lengths, default=0) > max_seqlen:
         raise ValueError(f"max_seqlen {max_seqlen} is below the longest document, {max(lengths)}: pass that")
