@@ -1,4 +1,4 @@
-"""Ring attention's error against one GPU's, both against the fp64 reference (issue 38's exactness target).
+"""Ring attention's error against one GPU's, both against the fp64 reference.
 
     PYTHONPATH=src torchrun --nproc-per-node 4 benchmarks/ring_error.py
 

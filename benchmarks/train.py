@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_gpt import GPT, MODELS, GPTConfig, batches, make_optimizer, stdlib_bytes, train_step
 
 PROVIDERS = ("flashtriton", "sdpa-cudnn", "sdpa-flash", "standard")
-BF16_DENSE_PEAK = {"H100": 989.4e12, "H200": 989.4e12}  # the SXM datasheets' bf16 dense tensor-core peak
+BF16_DENSE_PEAK = {"H100 80GB HBM3": 989.4e12, "H200": 989.4e12}  # SXM datasheets' bf16 dense peak (not PCIe/NVL)
 PAPER_A100 = {  # FlashAttention-2 paper, Table 1 (8 x A100 80GB): TFLOP/s per GPU without FlashAttention, FA, FA2
     ("1.3b", 2048): (142, 189, 196),
     ("1.3b", 8192): (72, 170, 220),

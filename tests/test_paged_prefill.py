@@ -110,6 +110,17 @@ def test_paged_prefill_errors():
         call(dropout_p=0.1)
     with pytest.raises(ValueError, match="max_seqlen_k is 20"):  # a sequence longer than it said: values, op time
         call(max_seqlen_k=20)
+    padded = table.clone()
+    padded[0, 1] = -1  # a padding entry where sequence 0 (17 rows, pages of 16) reads its second page
+    with pytest.raises(ValueError, match="1 page entries outside the cache"):
+        call(block_table=padded)
+    padded[0, 2] = -1  # past sequence 0's rows: never read, so allowed
+    padded[0, 1] = table[0, 1]
+    call(block_table=padded)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        call(q=q[..., :12], k=k_cache[..., :12], v=v_cache[..., :12])
+    with pytest.raises(TypeError, match="sinks"):
+        call(sinks=[0.0] * q.shape[1])
 
 
 def test_paged_prefill_traces_fullgraph():

@@ -326,7 +326,9 @@ def flash_attn_varlen_func(
     block_table: (batch, max_blocks) int32, paged prefill: k, v are then paged caches (num_blocks, page_size,
     nheads_k, headdim), any page size, and sequence b's key j is row j % page_size of page
     block_table[b, j // page_size]; cu_seqlens_k still gives the key lengths. The pages a call reads are gathered
-    into packed rows (a copy of those rows, not of the cache); no backward and no dropout (an inference call).
+    into packed rows (a copy of those rows, not of the cache; under autocast, a cache in another dtype is cast whole
+    first); head dims multiples of 8; no backward and no dropout (an inference call). The entries the call reads
+    must be page indices of the cache (checked on the host once per block_table and lengths).
     """
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     window = check_window(window_size)
@@ -337,18 +339,18 @@ def flash_attn_varlen_func(
     if block_table is not None:
         if dropout_p:
             raise ValueError("block_table (paged prefill) is for inference: pass dropout_p=0.0")
-        watched = (q, k, v) if sinks is None else (q, k, v, sinks)
-        if torch.is_grad_enabled() and any(x.requires_grad for x in watched):
-            raise ValueError(
-                "block_table (paged prefill) has no backward, as in flash_attn: call it under torch.no_grad() or "
-                "pass tensors that do not require grad"
-            )
         varlen["key_pages"] = block_table
     batch = cu_seqlens_q.shape[0] - 1
     params = _params(
         q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p, deterministic,
         return_attn_probs, batch, sinks=sinks, **varlen,
     )  # fmt: skip
+    watched = (q, k, v) if params.sinks is None else (q, k, v, params.sinks)
+    if block_table is not None and torch.is_grad_enabled() and any(x.requires_grad for x in watched):
+        raise ValueError(
+            "block_table (paged prefill) has no backward, as in flash_attn: call it under torch.no_grad() or pass "
+            "tensors that do not require grad"
+        )
     return _attention(q, k, v, params, return_attn_probs)
 
 

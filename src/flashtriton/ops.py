@@ -53,6 +53,15 @@ def _unpaged(k: torch.Tensor, v: torch.Tensor, p: AttentionParams):
     sequence = torch.repeat_interleave(torch.arange(len(lengths), device=k.device), lengths, output_size=starts[-1])
     key = torch.arange(starts[-1], device=k.device) - p.cu_seqlens_k.long()[sequence]  # within its sequence
     pages, rows = p.key_pages.long()[sequence, key // k.shape[1]], key % k.shape[1]
+    # indexing would wrap a -1 (a common padding entry) to the last page, and an index past the cache faults on CUDA
+    outside = host_read(
+        p.key_pages, ("outside", k.shape[0], *starts), lambda _: int(((pages < 0) | (pages >= k.shape[0])).sum())
+    )
+    if outside:
+        raise ValueError(
+            f"block_table lists {outside} page entries outside the cache's {k.shape[0]} pages for the rows the call "
+            "reads (cu_seqlens_k): each must be a page index from 0"
+        )
     return k[pages, rows], v[pages, rows], replace(p, key_pages=None)
 
 

@@ -352,7 +352,7 @@ def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams,
         _gluon_rows(delta, cfg.block_m), softmax_scale=p.softmax_scale, order_heads=order_heads, **common,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
         DQ_LATE=cfg.dq_late, READ_AHEAD=cfg.read_ahead, SPLIT_D=cfg.split_d,
-        WORKER_REGISTERS=config.HOPPER_CONSUMER_REGISTERS[2] if p.windowed else cfg.unbanded_registers,
+        WORKER_REGISTERS=cfg.dkdv_registers(p.windowed),
     )  # fmt: skip
 
 

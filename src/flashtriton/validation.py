@@ -232,19 +232,6 @@ def check_varlen(
     check_tensor("k", k, 3 if block_table is None else 4, layout)
     check_tensor("v", v, 3 if block_table is None else 4, layout)
     _check_shared(q, k, v, layout)
-    if block_table is not None:
-        _check_index("block_table", block_table, 2, "(batch, max_blocks_per_sequence)", q)
-        if block_table.shape[0] != cu_seqlens_q.shape[0] - 1:
-            raise ValueError(
-                f"block_table has {block_table.shape[0]} rows for a batch of {cu_seqlens_q.shape[0] - 1} sequences "
-                "(cu_seqlens_q has batch + 1 entries): one row of page indices per sequence"
-            )
-        capacity = block_table.shape[1] * k.shape[1]
-        if _is_int(max_seqlen_k) and max_seqlen_k > capacity:
-            raise ValueError(
-                f"max_seqlen_k is {max_seqlen_k} but a block_table row of {block_table.shape[1]} pages of "
-                f"{k.shape[1]} rows holds {capacity}: pass more pages per sequence"
-            )
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         check_tensor(name, cu, 1, "(batch + 1,)")
         if cu.dtype != torch.int32:
@@ -261,6 +248,24 @@ def check_varlen(
     for name, max_seqlen in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if not _is_int(max_seqlen):
             raise TypeError(f"{name} must be an int, got {type(max_seqlen).__name__}: pass int({name})")
+    if block_table is not None:
+        if q.shape[-1] % HEAD_DIM_STEP:
+            raise ValueError(
+                f"head dim {q.shape[-1]} with a block_table: paged caches take head dims that are multiples of "
+                f"{HEAD_DIM_STEP} (another would pad a copy of the whole cache); pad the cache's head dim with zeros"
+            )
+        _check_index("block_table", block_table, 2, "(batch, max_blocks_per_sequence)", q)
+        if block_table.shape[0] != cu_seqlens_q.shape[0] - 1:
+            raise ValueError(
+                f"block_table has {block_table.shape[0]} rows for a batch of {cu_seqlens_q.shape[0] - 1} sequences "
+                "(cu_seqlens_q has batch + 1 entries): one row of page indices per sequence"
+            )
+        capacity = block_table.shape[1] * k.shape[1]
+        if max_seqlen_k > capacity:
+            raise ValueError(
+                f"max_seqlen_k is {max_seqlen_k} but a block_table row of {block_table.shape[1]} pages of "
+                f"{k.shape[1]} rows holds {capacity}: pass more pages per sequence"
+            )
 
 
 def check_cu_seqlens(

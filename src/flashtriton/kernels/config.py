@@ -105,6 +105,10 @@ class HopperBackwardConfig:
     # dK/dV without a band: the worker consumer warpgroup's registers (setmaxnreg; the default one gets the rest)
     unbanded_registers: int = HOPPER_CONSUMER_REGISTERS[2]
 
+    def dkdv_registers(self, banded: bool) -> int:
+        """The dK/dV kernel's worker consumer warpgroup's registers: banded calls keep the two-consumer budget."""
+        return HOPPER_CONSUMER_REGISTERS[2] if banded else self.unbanded_registers
+
     @property
     def keys(self) -> int:
         """Keys per dK/dV program."""
@@ -225,7 +229,7 @@ SCHEDULE_MAX_TILES = 2**17
 # once).
 _SM90_HOPPER_BACKWARD = {
     # dQ's multiply a step late and LSE/delta read ahead of the wgmmas keep the tensor cores fed; fused from span 512
-    # without a band, 240 worker registers: dK/dV 2-3.5% faster at D=64 and 128 (with a band level)
+    # without a band, 240 worker registers make D=64's and D=128's dK/dV faster (DECISIONS: "dK/dV without a band")
     64: HopperBackwardConfig(
         HopperForwardConfig(64, 128, 2),
         64,
