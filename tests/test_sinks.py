@@ -347,7 +347,8 @@ def test_opcheck_with_sinks():
 def test_gluon_rows_gathered_as_the_lse():
     """The Gluon backward's varlen delta rows (sequence b from (cdiv(its start, ALIGN) + b) * ALIGN, as
     kernels/hopper/primitives.rows_start places them) read back in the LSE's (nheads, total_q) layout: dsinks on sm90
-    takes them so, and no CPU target runs that backward."""
+    takes them so, and no CPU target runs that backward. The rows are laid out here by a loop over the sequences,
+    apart from _unaligned's vectorised gather; whether the kernels write that layout, only the GPU tests see."""
     align, heads = config.LSE_ROWS_ALIGN, 3
     lengths = [align + 5, 0, 1, 2 * align, 7]
     starts = [0, *accumulate(lengths)]
