@@ -23,6 +23,7 @@ from flashtriton.distributed import (
     unshard_varlen,
 )
 from flashtriton.distributed import steps as S
+from flashtriton.distributed.checks import ring_window
 
 NAMES = ("out", "lse", "dq", "dk", "dv")  # what a case returns
 _GROUPS: dict[tuple, dict] = {}  # (world, ulysses size): this rank's groups, made by every rank in turn
@@ -86,7 +87,7 @@ def _call(case: Case, x: dict, q, k, v):
         return ring_flash_attn_varlen_func(q, k, v, x["cu_seqlens"], int(lengths.max()), **options)
     if case.api == "ulysses":
         return ulysses_flash_attn_func(q, k, v, window_size=case.window, **options)
-    return ring_flash_attn_func(q, k, v, **options, **case.groups(dist.get_world_size()))
+    return ring_flash_attn_func(q, k, v, window_size=case.window, **options, **case.groups(dist.get_world_size()))
 
 
 def _run(case: Case, x: dict) -> dict[str, torch.Tensor]:
@@ -140,7 +141,8 @@ def simulate(case: Case, x: dict, world: int) -> list[dict[str, torch.Tensor]]:
             S.varlen_steps(world, r, lengths, case.layout, case.causal, params, x["q"].device) for r in range(world)
         ]
     else:
-        plans = [S.dense_steps(world, r, case.rows, case.layout, case.causal, params) for r in range(world)]
+        left, causal = ring_window(case.window, case.causal)
+        plans = [S.dense_plan(world, r, case.rows, case.layout, causal, left, params) for r in range(world)]
     shards = {name: _split(case, x, world, name) for name in ("q", "k", "v", "dout", "dlse")}
     qs = shards["q"]
     kvs = [torch.stack(pair) for pair in zip(shards["k"], shards["v"], strict=True)]
@@ -166,7 +168,7 @@ def _refusals(world: int) -> dict[str, str]:
     errors = {}
     calls = {
         "ulysses_heads": lambda: ulysses_flash_attn_func(q, q, q),
-        "ring_window": lambda: ring_flash_attn_func(q, q, q, window_size=(4, 0)),
+        "ring_window": lambda: ring_flash_attn_func(q, q, q, window_size=(4, 1)),
         "zigzag_rows": lambda: ring_flash_attn_func(q[:, 1:], q[:, 1:], q[:, 1:]),
         "two_d_heads": lambda: ring_flash_attn_func(q, q, q, **_GROUPS[(world, 2)]),
         "two_d_no_ring": lambda: ring_flash_attn_func(q, q, q, ulysses_group=_GROUPS[(world, 2)]["ulysses_group"]),

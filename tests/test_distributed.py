@@ -54,28 +54,35 @@ def test_a_length_the_layout_cannot_split_says_how_to_pad():
 
 
 def _visible_in_step(step: S.Step, n_rows: int, n_keys: int) -> torch.Tensor:
-    """(rows, keys) bool of the pairs a step's call computes: its own step's causal mask, or every pair."""
-    if step.params.window_right == 0:
-        return torch.ones(n_rows, n_keys, dtype=torch.bool).tril(n_keys - n_rows)
-    return torch.ones(n_rows, n_keys, dtype=torch.bool)
+    """(rows, keys) bool of the pairs a step's call computes, by params.py's window rule (aligned bottom-right)."""
+    i = torch.arange(n_rows)[:, None] + n_keys - n_rows
+    j = torch.arange(n_keys)[None, :]
+    left, right = step.params.window_left, step.params.window_right
+    return ((j >= i - left) | (left < 0)) & ((j <= i + right) | (right < 0))
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("mask", ["causal", "full", "window-0", "window-2", "window-4", "window-9"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8, 16])
-def test_the_steps_compute_each_visible_pair_once(world, layout, causal):
+def test_the_steps_compute_each_visible_pair_once(world, layout, mask):
     """Over all ranks and steps, every (query, key) pair the mask shows is computed exactly once, no other pair."""
     rows = 2 * 3  # two chunks of 3 per rank (zigzag), one of 6 (contiguous)
     positions = L.split(torch.arange(rows * world), world, layout, dim=0)
     count = torch.zeros(rows * world, rows * world, dtype=torch.int64)
     params = S.partial_params(1.0, False)
+    left = int(mask.removeprefix("window-")) if mask.startswith("window") else None
     for rank in range(world):
-        plan = S.dense_steps(world, rank, rows, layout, causal, params)
+        if left is None:
+            plan = S.dense_steps(world, rank, rows, layout, mask == "causal", params)
+        else:
+            plan = S.window_steps(world, rank, rows, layout, left, params)
         for src, step in ((src, step) for src, pieces in enumerate(plan) for step in pieces):
             q_pos, k_pos = positions[rank][step.rows], positions[src][step.keys]
             seen = _visible_in_step(step, len(q_pos), len(k_pos))
             count[q_pos[:, None].expand_as(seen)[seen], k_pos[None, :].expand_as(seen)[seen]] += 1
-    expected = torch.ones_like(count).tril() if causal else torch.ones_like(count)
+    expected = torch.ones_like(count).tril() if mask != "full" else torch.ones_like(count)
+    if left is not None:
+        expected = expected.triu(-left)
     assert torch.equal(count, expected)
 
 
@@ -94,6 +101,8 @@ SIMULATED = [
     Case("zigzag-causal-gqa-fp32", "ring", True, "float32", rows=4, heads=2, heads_k=1),
     Case("zigzag-causal-bf16", "ring", True, "bfloat16", rows=4, heads=2, heads_k=2),
     Case("zigzag-full-bf16", "ring", False, "bfloat16", rows=4, heads=2, heads_k=1),
+    Case("zigzag-window-bf16", "ring", True, "bfloat16", rows=4, heads=2, heads_k=1, window=(5, 0)),
+    Case("contiguous-window-fp32", "ring", False, "float32", layout=CONTIGUOUS, rows=4, heads=2, window=(3, 0)),
     Case("contiguous-causal-fp32", "ring", True, "float32", layout=CONTIGUOUS, rows=4, heads=2, heads_k=1),
     Case("varlen-zigzag-causal-fp32", "varlen", True, "float32", heads=2, heads_k=1, documents=(2, 0, 1, 3)),
     Case("varlen-zigzag-causal-bf16", "varlen", True, "bfloat16", heads=2, heads_k=2, documents=(1, 2)),
@@ -126,7 +135,12 @@ def _qkv(rows=8, heads=4, heads_k=2, head_dim=16):
 
 CU = torch.tensor([0, 4, 12], dtype=torch.int32)  # two documents of a 12-row packed batch
 REFUSED = {
-    "window": (lambda: ring_flash_attn_func(*_qkv(), window_size=(4, 0)), NotImplementedError, "window_size"),
+    "window": (lambda: ring_flash_attn_func(*_qkv(), window_size=(4, 2)), NotImplementedError, "causal sliding"),
+    "varlen window": (
+        lambda: ring_flash_attn_varlen_func(*(x[0] for x in _qkv(12)), CU, 8, window_size=(3, 0)),
+        NotImplementedError,
+        "dense shards only",
+    ),
     "head dim": (lambda: ring_flash_attn_func(*_qkv(head_dim=12)), ValueError, "with zeros to 16"),
     "layout": (lambda: ring_flash_attn_func(*_qkv(), layout="striped"), ValueError, "is not a layout"),
     "lengths": (lambda: ring_flash_attn_func(_qkv()[0], *_qkv(rows=4)[1:]), ValueError, "same length"),
@@ -175,6 +189,7 @@ CASES = [
     Case("ulysses-zigzag-causal-gqa-fp32", "ulysses", True, "float32", heads=8, heads_k=4),
     Case("ulysses-window-bf16", "ulysses", True, "bfloat16", layout=CONTIGUOUS, heads=8, heads_k=4, window=(5, 0)),
     Case("ring-x-ulysses-causal-gqa-bf16", "ring", True, "bfloat16", heads=8, heads_k=4, ulysses=2),
+    Case("ring-window-gqa-fp32", "ring", True, "float32", window=(11, 0)),
 ]
 
 
@@ -194,7 +209,7 @@ def test_gloo_groups_match_the_reference(world, tmp_path):
             assert result["repeats"], f"world {world} {case.name}: a deterministic repeat differs"
     refusals = saved["refusals"]
     assert refusals["ulysses_heads"].startswith("ValueError") and f"multiples of {world}" in refusals["ulysses_heads"]
-    assert refusals["ring_window"].startswith("NotImplementedError: the ring does not implement window_size")
+    assert refusals["ring_window"].startswith("NotImplementedError: the ring takes causal sliding windows")
     assert refusals["zigzag_rows"].startswith("ValueError") and "pad it to" in refusals["zigzag_rows"]
     assert refusals["two_d_heads"].startswith("ValueError") and "multiples of 2" in refusals["two_d_heads"]
     assert refusals["two_d_no_ring"].startswith("ValueError") and "pass group=" in refusals["two_d_no_ring"]

@@ -49,9 +49,17 @@ def ring_scale(softmax_scale: float | None, head_dim: int) -> float:
     return scale
 
 
-def ring_window(window_size) -> None:
-    if check_window(window_size) != (-1, -1):
+def ring_window(window_size, causal: bool, varlen: bool = False) -> tuple[int, bool]:
+    """(left bound, causal) of the ring's mask: no window, causal, or a causal sliding window (a left bound, -1 for
+    none, with a right bound of 0); other windows raise."""
+    left, right = check_window(window_size)
+    causal = bool(causal) or right == 0
+    if (left, right) == (-1, -1) or (left == -1 and causal):
+        return -1, causal
+    if varlen or not causal or right > 0:
         raise NotImplementedError(
-            "the ring does not implement window_size yet: pass causal=True and window_size=(-1, -1), or use "
+            "the ring takes causal sliding windows (window_size=(left, 0), or causal=True with (left, -1)) of dense "
+            f"shards only, got window_size={window_size}{' on a packed batch' if varlen else ''}: use "
             "ulysses_flash_attn_func, which takes any window"
         )
+    return left, causal

@@ -98,9 +98,10 @@ def ring_flash_attn_func(
     (default: rank r holds chunks r and 2 * world - 1 - r of 2 * world, which balances causal work; seqlen must be a
     multiple of 2 * world) or "contiguous" (chunk r of world). nheads a multiple of nheads_k (GQA: only the nheads_k
     K/V heads travel); headdim a multiple of 8 up to 256; softmax_scale > 0 (default 1 / sqrt(headdim)).
-    causal: query i sees key j iff j <= i in the full sequence. window_size: (-1, -1) only (NotImplementedError
-    otherwise; ulysses_flash_attn_func takes windows). group: a process group (gloo for CPU tensors, NCCL for CUDA);
-    None: the default group, or no communication at all when torch.distributed is not initialised.
+    causal: query i sees key j iff j <= i in the full sequence. window_size: (-1, -1), or a causal sliding window
+    (left, 0): query i sees keys i - left .. i (other windows raise NotImplementedError; ulysses_flash_attn_func takes
+    any); its calls are square pieces of the chunks the band meets. group: a process group (gloo for CPU tensors,
+    NCCL for CUDA); None: the default group, or no communication at all when torch.distributed is not initialised.
     deterministic: bitwise reproducible gradients (the ring adds the steps' shares in a fixed order either way).
 
     ulysses_group: the 2-D form. The sequence is split over ``group`` (the ring) and each ring shard again over
@@ -115,7 +116,7 @@ def ring_flash_attn_func(
     """
     check_qkv(q, k, v)
     check_self_attention(q, k, seq_dim=1)
-    ring_window(window_size)
+    window_left, causal = ring_window(window_size, causal)
     scale = ring_scale(softmax_scale, q.shape[-1])
     check_group(group, q)
     world, rank = world_and_rank(group)
@@ -127,7 +128,7 @@ def ring_flash_attn_func(
         check_heads(q.shape[2], k.shape[2], parts)
     check_local_rows(q.shape[1] * parts, world, layout)
     params = S.partial_params(scale, bool(deterministic))
-    call = _Call(group, world, rank, S.dense_steps(world, rank, q.shape[1] * parts, layout, bool(causal), params))
+    call = _Call(group, world, rank, S.dense_plan(world, rank, q.shape[1] * parts, layout, causal, window_left, params))
     if parts == 1:
         out, lse = _RingAttention.apply(q, k, v, call)
         return (out, lse) if return_lse else out
@@ -170,7 +171,7 @@ def ring_flash_attn_varlen_func(
     """
     check_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
     check_self_attention(q, k, seq_dim=0)
-    ring_window(window_size)
+    _, causal = ring_window(window_size, causal, varlen=True)
     scale = ring_scale(softmax_scale, q.shape[-1])
     check_group(group, q)
     world, rank = world_and_rank(group)

@@ -43,8 +43,8 @@ from itertools import accumulate
 import torch
 
 from .. import ops
-from ..params import AttentionParams
-from .layout import ZIGZAG
+from ..params import NO_BOUND, AttentionParams, lse_shape
+from .layout import ZIGZAG, rank_chunks
 
 ALL = slice(None)
 
@@ -148,6 +148,43 @@ def _copies(first: torch.Tensor, second: torch.Tensor, rows: torch.Tensor, devic
     return Gather(order, ((first, rows), (second, rows)))
 
 
+def dense_plan(
+    world: int, rank: int, seqlen: int, layout: str, causal: bool, window_left: int, params: AttentionParams
+) -> tuple:
+    """The Steps of each source rank for a dense shard: window_steps under a left bound (>= 0), else dense_steps."""
+    if window_left >= 0:
+        return window_steps(world, rank, seqlen, layout, window_left, params)
+    return dense_steps(world, rank, seqlen, layout, causal, params)
+
+
+def window_steps(world: int, rank: int, seqlen: int, layout: str, window_left: int, params: AttentionParams) -> tuple:
+    """dense_steps under a causal sliding window (query i sees keys i - window_left .. i of the full sequence): a
+    square call per pair of a query chunk and a key chunk that the band meets. A pair whose key chunk starts d rows
+    before the query chunk sees keys from d - window_left rows right of its diagonal on: where that is not right of
+    it, the call's left bound is window_left - d; where it is, m = d - window_left rows in, the call takes the chunk's
+    first c - m queries against its last c - m keys with a left bound of 0 (key j >= query i)."""
+    chunks = [rank_chunks(world, r, layout) for r in range(world)]
+    c = seqlen // len(chunks[rank])
+    steps = []
+    for src in range(world):
+        pieces = []
+        for qi, a in enumerate(chunks[rank]):
+            for kj, b in enumerate(chunks[src]):
+                d = (a - b) * c
+                rows, keys = slice(qi * c, qi * c + c), slice(kj * c, kj * c + c)
+                if d == 0:
+                    pieces.append(Step(rows, keys, replace(params, window_left=window_left, window_right=0)))
+                elif d > 0 and d - window_left <= 0:
+                    left = window_left - d if window_left - d < c - 1 else NO_BOUND  # a bound past the chunk is none
+                    pieces.append(Step(rows, keys, replace(params, window_left=left)))
+                elif 0 < d - window_left < c:
+                    m = d - window_left
+                    rows, keys = slice(qi * c, qi * c + c - m), slice(kj * c + m, kj * c + c)
+                    pieces.append(Step(rows, keys, replace(params, window_left=0)))
+        steps.append(tuple(pieces))
+    return tuple(steps)
+
+
 def _pairs(a: list[int], b: list[int]) -> list[int]:
     """a[0], b[0], a[1], b[1], ...: the bounds of two sequences per document."""
     return [x for pair in zip(a, b, strict=True) for x in pair]
@@ -179,10 +216,16 @@ def merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse
     lse.copy_(total)
 
 
-def first_forward(own: tuple[Step], q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rank's own step (one call: every row, every key): the fp32 accumulators (out, lse) it starts."""
-    out, lse = ops.forward(q, kv[0], kv[1], own[0].params)
-    return out.float(), lse
+def first_forward(own: tuple[Step, ...], q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rank's own step: the fp32 accumulators (out, lse) it starts (one call of every row and key, or pieces
+    merged into empty accumulators)."""
+    if len(own) == 1 and own[0].rows == ALL and own[0].queries is None:
+        out, lse = ops.forward(q, kv[0], kv[1], own[0].params)
+        return out.float(), lse
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(lse_shape(q, q.dim() == 3), -math.inf, dtype=torch.float32, device=q.device)
+    forward_step(own, q, kv, out, lse)
+    return out, lse
 
 
 def _rows(x: torch.Tensor, rows: slice, gather: Gather | None, dim: int = 0) -> torch.Tensor:
@@ -212,12 +255,17 @@ def finish_forward(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> 
     return out.to(dtype), lse.masked_fill_(lse == -math.inf, math.inf)
 
 
-def first_backward(own: tuple[Step], dout, dlse, q, kv, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
+def first_backward(own: tuple[Step, ...], dout, dlse, q, kv, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
     """The own step's gradients: the fp32 dQ accumulator and the fp32 (2, ...) dK/dV accumulator of the own shard."""
-    dq, dk, dv, _ = ops.backward(dout, dlse, q, kv[0], kv[1], out, lse, own[0].backward_params)  # no sinks
-    dkv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
-    dkv[0], dkv[1] = dk, dv
-    return dq.float(), dkv
+    if len(own) == 1 and own[0].rows == ALL and own[0].queries is None:
+        dq, dk, dv, _ = ops.backward(dout, dlse, q, kv[0], kv[1], out, lse, own[0].backward_params)  # no sinks
+        dkv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
+        dkv[0], dkv[1] = dk, dv
+        return dq.float(), dkv
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    add_kv_grads(dkv, backward_step(own, dout, dlse, q, kv, out, lse, dq))
+    return dq, dkv
 
 
 def backward_step(pieces: tuple[Step, ...], dout, dlse, q, kv, out, lse, dq: torch.Tensor) -> list[tuple]:
