@@ -19,6 +19,7 @@ from flashtriton.distributed import (
     shard,
     shard_varlen,
     ulysses_flash_attn_func,
+    ulysses_flash_attn_varlen_func,
     unshard,
     unshard_varlen,
 )
@@ -32,8 +33,9 @@ TIMEOUT = timedelta(seconds=60)  # a rank stuck in a transfer fails the test ins
 
 @dataclass(frozen=True)
 class Case:
-    """One call on every rank. api: "ring", "varlen" (ring on a packed batch) or "ulysses". rows: local rows per
-    rank (dense); documents: a packed batch's lengths in units of the layout's chunk count (2 * world for zigzag)."""
+    """One call on every rank. api: "ring", "varlen" (ring on a packed batch), "ulysses" or "ulysses-varlen". rows:
+    local rows per rank (dense); documents: a packed batch's lengths in units of the layout's chunk count (2 * world
+    for zigzag)."""
 
     name: str
     api: str
@@ -53,6 +55,15 @@ class Case:
         """The ring's group and ulysses_group of this rank (ring_flash_attn_func's 2-D form), or none."""
         return _GROUPS[(world, self.ulysses)] if self.ulysses > 1 else {}
 
+    @property
+    def packed(self) -> bool:
+        return self.api in ("varlen", "ulysses-varlen")
+
+    @property
+    def simulated(self) -> bool:
+        """Whether steps.simulate_* compute it (the ring's calls, without a Ulysses exchange)."""
+        return self.api in ("ring", "varlen") and self.ulysses == 1
+
     def lengths(self, world: int) -> list[int]:
         return [n * world * L.chunks_per_rank(self.layout) for n in self.documents]
 
@@ -62,7 +73,7 @@ def full_inputs(case: Case, world: int, seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, case.dtype)
     lengths = case.lengths(world)
-    rows = (sum(lengths),) if case.api == "varlen" else (1, case.rows * world)
+    rows = (sum(lengths),) if case.packed else (1, case.rows * world)
 
     def randn(*shape, dtype=dtype):
         return torch.randn(*shape, generator=generator).to(dtype)
@@ -73,18 +84,20 @@ def full_inputs(case: Case, world: int, seed: int) -> dict[str, torch.Tensor]:
         "v": randn(*rows, case.heads_k, case.head_dim),
         "dout": randn(*rows, case.heads, case.head_dim),
     }
-    lse_shape = (case.heads, rows[0]) if case.api == "varlen" else (1, case.heads, rows[1])
+    lse_shape = (case.heads, rows[0]) if case.packed else (1, case.heads, rows[1])
     x["dlse"] = randn(*lse_shape, dtype=torch.float32)
-    if case.api == "varlen":
+    if case.packed:
         x["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     return x
 
 
 def _call(case: Case, x: dict, q, k, v):
     options = dict(causal=case.causal, deterministic=case.deterministic, return_lse=True, layout=case.layout)
-    if case.api == "varlen":
-        lengths = x["cu_seqlens"].diff()
-        return ring_flash_attn_varlen_func(q, k, v, x["cu_seqlens"], int(lengths.max()), **options)
+    if case.packed:
+        longest = int(x["cu_seqlens"].diff().max())
+        if case.api == "ulysses-varlen":
+            return ulysses_flash_attn_varlen_func(q, k, v, x["cu_seqlens"], longest, window_size=case.window, **options)
+        return ring_flash_attn_varlen_func(q, k, v, x["cu_seqlens"], longest, **options)
     if case.api == "ulysses":
         return ulysses_flash_attn_func(q, k, v, window_size=case.window, **options)
     return ring_flash_attn_func(q, k, v, window_size=case.window, **options, **case.groups(dist.get_world_size()))
@@ -92,7 +105,7 @@ def _call(case: Case, x: dict, q, k, v):
 
 def _run(case: Case, x: dict) -> dict[str, torch.Tensor]:
     """This rank's out, lse, dq, dk, dv."""
-    if case.api == "varlen":
+    if case.packed:
         local = {name: shard_varlen(x[name], x["cu_seqlens"], layout=case.layout) for name in ("q", "k", "v", "dout")}
         local["dlse"] = shard_varlen(x["dlse"].t(), x["cu_seqlens"], layout=case.layout).t()
     else:
@@ -106,7 +119,7 @@ def _run(case: Case, x: dict) -> dict[str, torch.Tensor]:
 
 
 def _unshard(case: Case, x: dict, name: str, t: torch.Tensor) -> torch.Tensor:
-    if case.api != "varlen":
+    if not case.packed:
         return unshard(t, layout=case.layout, dim=2 if name == "lse" else 1, **case.groups(dist.get_world_size()))
     if name == "lse":  # (nheads, total): the packed rows are its second dim
         return unshard_varlen(t.t(), x["cu_seqlens"], layout=case.layout).t()
@@ -116,7 +129,7 @@ def _unshard(case: Case, x: dict, name: str, t: torch.Tensor) -> torch.Tensor:
 def _split(case: Case, x: dict, world: int, name: str) -> list[torch.Tensor]:
     """Every rank's shard of input ``name`` (the LSE's gradient along its own sequence dim)."""
     t = x[name]
-    if case.api != "varlen":
+    if not case.packed:
         return L.split(t, world, case.layout, dim=2 if name == "dlse" else 1)
     if name == "dlse":
         return [s.t() for s in L.split_varlen(t.t(), x["cu_seqlens"], world, case.layout)]
@@ -125,7 +138,7 @@ def _split(case: Case, x: dict, world: int, name: str) -> list[torch.Tensor]:
 
 def join(case: Case, x: dict, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     """The full result ``name`` from every rank's shard."""
-    if case.api != "varlen":
+    if not case.packed:
         return L.join(shards, case.layout, dim=2 if name == "lse" else 1)
     if name == "lse":
         return L.join_varlen([s.t() for s in shards], x["cu_seqlens"], case.layout).t()
@@ -135,7 +148,7 @@ def join(case: Case, x: dict, name: str, shards: list[torch.Tensor]) -> torch.Te
 def simulate(case: Case, x: dict, world: int) -> list[dict[str, torch.Tensor]]:
     """Every rank's out, lse, dq, dk, dv from steps.simulate_forward / simulate_backward in this process."""
     params = S.partial_params(1 / math.sqrt(case.head_dim), case.deterministic)
-    if case.api == "varlen":
+    if case.packed:
         lengths = [n // world for n in case.lengths(world)]
         plans = [
             S.varlen_steps(world, r, lengths, case.layout, case.causal, params, x["q"].device) for r in range(world)
@@ -220,7 +233,7 @@ def worker(rank: int, world: int, store: str, cases: list[Case], out_path: str) 
         if case.deterministic:
             again = _run(case, x)
             result["repeats"] = _everywhere(all(torch.equal(mine[n], again[n]) for n in NAMES))
-        if case.api != "ulysses" and case.ulysses == 1:
+        if case.simulated:
             simulated = simulate(case, x, world)[rank]
             result["simulated"] = _everywhere(all(torch.equal(simulated[n], mine[n]) for n in NAMES))
         saved[case.name] = result

@@ -5,8 +5,9 @@
 Each case keeps the tokens per GPU fixed (32k and 128k) and runs on the first 1, 2 and 4 ranks (those up to the
 torchrun world): causal fwd+bwd, D 128, heads 16/16 and GQA 32/8, bf16, one sequence or a packed batch of ragged
 documents (PER_GPU_DOCUMENTS, repeated once per GPU). Providers: ``ring`` (ring_flash_attn_func, zigzag; varlen for
-documents), ``ulysses`` (ulysses_flash_attn_func, where the heads split over the ranks) and ``torch-cp`` (torch's
-experimental context_parallel around SDPA, on the whole torchrun world only; reported unavailable where it fails).
+documents), ``ulysses`` (ulysses_flash_attn_func, varlen for documents, where the heads split over the ranks) and
+``torch-cp`` (torch's experimental context_parallel around SDPA, on the whole torchrun world only; reported
+unavailable where it fails).
 On one rank every provider is single-GPU attention on the whole sequence.
 
 Per-GPU TFLOP/s = the case's FLOPs (bench/cases.attention_flops: causal forward 2 * B * H * N^2 * D, fwd+bwd 3.5x the
@@ -34,7 +35,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..distributed import ring_flash_attn_func, ring_flash_attn_varlen_func, ulysses_flash_attn_func
+from ..distributed import (
+    ring_flash_attn_func,
+    ring_flash_attn_varlen_func,
+    ulysses_flash_attn_func,
+    ulysses_flash_attn_varlen_func,
+)
 from .cases import attention_flops
 from .results import environment, write_json
 from .timing import peak_extra_mib
@@ -130,11 +136,16 @@ def _ring_call(case: RingCase, group, q, k, v):
 
 
 def _ulysses_call(case: RingCase, group, q, k, v):
-    if case.ragged:
-        raise NotImplementedError("ulysses_flash_attn_func takes no packed batch")
     if case.heads % case.world or case.heads_k % case.world:
         raise ValueError(f"heads {case.heads}/{case.heads_k} do not split over {case.world} ranks")
-    return lambda: ulysses_flash_attn_func(q, k, v, group=group, causal=True), contextlib.nullcontext
+    if not case.ragged:
+        return lambda: ulysses_flash_attn_func(q, k, v, group=group, causal=True), contextlib.nullcontext
+    lengths = case.documents()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
+    q, k, v = (x.flatten(0, 1) for x in (q, k, v))
+    return lambda: ulysses_flash_attn_varlen_func(q, k, v, cu, max(lengths), group=group, causal=True), (
+        contextlib.nullcontext
+    )
 
 
 def _torch_cp_call(case: RingCase, group, q, k, v):

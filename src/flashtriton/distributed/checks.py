@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..validation import HEAD_DIM_STEP, MAX_HEAD_DIM, check_window, resolve_softmax_scale
-from .layout import check_divisible, check_layout
+from ..validation import HEAD_DIM_STEP, MAX_HEAD_DIM, check_window, host_read, resolve_softmax_scale
+from .layout import check_divisible, check_layout, document_lengths
 
 
 def check_group(group: dist.ProcessGroup | None, q: torch.Tensor) -> None:
@@ -34,6 +34,20 @@ def check_local_rows(rows: int, world: int, layout: str) -> None:
     """The local shard of a sequence of world * rows rows, which the layout must split evenly."""
     check_layout(layout)
     check_divisible(rows * world, world, layout, f"the sequence length ({world} ranks x {rows} local rows)")
+
+
+def check_varlen_shards(cu_seqlens: torch.Tensor, max_seqlen: int, rows: int, world: int, layout: str) -> list[int]:
+    """The documents' global lengths (read on the host once per cu_seqlens tensor), checked against the shards'
+    ``rows`` local rows and max_seqlen."""
+    lengths = host_read(cu_seqlens, ("lengths", world, layout), lambda cu: document_lengths(cu, world, layout))
+    if sum(lengths) != world * rows:
+        raise ValueError(
+            f"cu_seqlens ends at {sum(lengths)} (its last entry), but {world} ranks x {rows} local rows is "
+            f"{world * rows}: pass the global cu_seqlens of the full packed batch"
+        )
+    if max(lengths, default=0) > max_seqlen:
+        raise ValueError(f"max_seqlen {max_seqlen} is below the longest document, {max(lengths)}: pass that")
+    return lengths
 
 
 def ring_scale(softmax_scale: float | None, head_dim: int) -> float:

@@ -14,9 +14,16 @@ import torch.distributed as dist
 
 from ..validation import check_qkv, check_varlen, host_read
 from . import steps as S
-from .checks import check_group, check_local_rows, check_self_attention, ring_scale, ring_window
+from .checks import (
+    check_group,
+    check_local_rows,
+    check_self_attention,
+    check_varlen_shards,
+    ring_scale,
+    ring_window,
+)
 from .comm import Ring
-from .layout import ZIGZAG, check_two_d, document_lengths, world_and_rank
+from .layout import ZIGZAG, check_two_d, world_and_rank
 from .ulysses import AllToAll, check_heads
 
 
@@ -176,14 +183,7 @@ def ring_flash_attn_varlen_func(
     check_group(group, q)
     world, rank = world_and_rank(group)
 
-    lengths = host_read(cu_seqlens, ("ring lengths", world, layout), lambda cu: document_lengths(cu, world, layout))
-    if sum(lengths) != world * q.shape[0]:
-        raise ValueError(
-            f"cu_seqlens ends at {sum(lengths)} (its last entry), but {world} ranks x {q.shape[0]} local rows is "
-            f"{world * q.shape[0]}: pass the global cu_seqlens of the full packed batch"
-        )
-    if max(lengths, default=0) > max_seqlen:
-        raise ValueError(f"max_seqlen {max_seqlen} is below the longest document, {max(lengths)}: pass that")
+    lengths = check_varlen_shards(cu_seqlens, max_seqlen, q.shape[0], world, layout)
     options = (world, rank, layout, bool(causal), scale, bool(deterministic))
     params = S.partial_params(scale, bool(deterministic))
     local = [n // world for n in lengths]

@@ -1,7 +1,8 @@
 """Ulysses: context parallelism by all-to-all over heads. Each rank trades its shard of the sequence (all heads) for
-the whole sequence of 1 / world of the heads, runs flash_attn_func on it, and trades the output back. Every option
-of flash_attn_func applies (windows included); the cost is two all-to-alls of q, k, v and one of out per pass,
-which do not overlap the attention, and nheads and nheads_k must be multiples of the group's size.
+the whole sequence of 1 / world of the heads, runs flash_attn_func (a packed batch: flash_attn_varlen_func) on it,
+and trades the output back. Every option of those applies (windows included); the cost is two all-to-alls of q, k, v
+and one of out per pass, which do not overlap the attention, and nheads and nheads_k must be multiples of the
+group's size.
 """
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..interface import flash_attn_func
-from ..validation import check_qkv, check_window, resolve_softmax_scale
-from .checks import check_group, check_local_rows, check_self_attention
-from .layout import CONTIGUOUS, ZIGZAG, join, split, world_and_rank
+from ..interface import flash_attn_func, flash_attn_varlen_func
+from ..validation import check_qkv, check_varlen, check_window, host_read, resolve_softmax_scale
+from .checks import check_group, check_local_rows, check_self_attention, check_varlen_shards
+from .layout import CONTIGUOUS, ZIGZAG, join, split, split_varlen, world_and_rank
 
 
 def _exchange(send: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -111,3 +112,59 @@ def ulysses_flash_attn_func(
     if not return_lse:
         return out
     return out, scatter(lse.transpose(1, 2).unsqueeze(-1)).squeeze(-1).transpose(1, 2)
+
+
+def _rank_rows(cu_seqlens: torch.Tensor, world: int, layout: str) -> torch.Tensor:
+    """The packed batch's row of each row of every rank's shard side by side (rank order): natural = x[argsort],
+    rank order = natural[these]."""
+    total = int(cu_seqlens[-1])
+    return torch.cat(split_varlen(torch.arange(total), cu_seqlens, world, layout))
+
+
+def ulysses_flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softmax_scale: float | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    layout: str = ZIGZAG,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """ring_flash_attn_varlen_func's contract (the shards of a packed batch, the global cu_seqlens, returns),
+    computed by all-to-all over heads: each rank gets the whole packed batch for 1 / world of the heads, put in
+    order by one gather per tensor (the order read from cu_seqlens on the host once per tensor), and runs
+    flash_attn_varlen_func on it. Any window_size (per document, as flash_attn_varlen_func's)."""
+    check_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    check_self_attention(q, k, seq_dim=0)
+    window = check_window(window_size)
+    resolve_softmax_scale(softmax_scale, q.shape[-1])
+    check_group(group, q)
+    world, _ = world_and_rank(group)
+    check_varlen_shards(cu_seqlens, max_seqlen, q.shape[0], world, layout)
+    check_heads(q.shape[1], k.shape[1], world)
+    rows = host_read(cu_seqlens, ("ulysses rows", world, layout), lambda cu: _rank_rows(cu.cpu(), world, layout))
+    rows = rows.to(q.device)
+    natural = torch.argsort(rows)
+
+    def gather(x: torch.Tensor) -> torch.Tensor:  # (total / world, H, D) -> (total, H / world, D), in order
+        x = x if world == 1 else AllToAll.apply(x.unsqueeze(0), group, world, True).squeeze(0)
+        return x.index_select(0, natural)
+
+    def scatter(x: torch.Tensor) -> torch.Tensor:  # the inverse
+        x = x.index_select(0, rows)
+        return x if world == 1 else AllToAll.apply(x.unsqueeze(0), group, world, False).squeeze(0)
+
+    out, lse, _ = flash_attn_varlen_func(
+        gather(q), gather(k), gather(v), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=softmax_scale,
+        causal=causal, window_size=window, deterministic=deterministic, return_attn_probs=True,
+    )  # fmt: skip
+    out = scatter(out)
+    if not return_lse:
+        return out
+    return out, scatter(lse.t().unsqueeze(-1)).squeeze(-1).t()
