@@ -168,16 +168,16 @@ def simulate(case: Case, x: dict, world: int) -> list[dict[str, torch.Tensor]]:
     ]
 
 
-def _everywhere(flag: bool) -> bool:
+def _everywhere(flag: bool, device: torch.device) -> bool:
     """The flag of every rank, and-ed."""
-    t = torch.tensor([int(flag)])
+    t = torch.tensor([int(flag)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
 
 
-def _refusals(world: int) -> dict[str, str]:
+def _refusals(world: int, device: torch.device) -> dict[str, str]:
     """The errors of calls every rank makes wrongly in the same way: each must be raised before any transfer."""
-    q = torch.randn(1, 2 * world, 2 * world - 1, 16)
+    q = torch.randn(1, 2 * world, 2 * world - 1, 16, device=device)
     errors = {}
     calls = {
         "ulysses_heads": lambda: ulysses_flash_attn_func(q, q, q),
@@ -220,24 +220,35 @@ def _make_groups(world: int, sizes: set[int]) -> None:
                 _GROUPS[(world, "crossed")] = group
 
 
-def worker(rank: int, world: int, store: str, cases: list[Case], out_path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=TIMEOUT)
+def worker(rank: int, world: int, store: str, cases: list[Case], out_path: str, backend: str = "gloo") -> None:
+    """backend "gloo": CPU tensors; "nccl": this rank's GPU (the inputs drawn on the CPU as for gloo, the results
+    saved back there)."""
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, init_method=f"file://{store}", rank=rank, world_size=world, timeout=TIMEOUT,
+        device_id=device if backend == "nccl" else None,
+    )  # fmt: skip
     _make_groups(world, {case.ulysses for case in cases if case.ulysses > 1 and world % case.ulysses == 0})
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = True  # torch.empty gives NaN: unwritten rows would show
     saved = {}
     for seed, case in enumerate(cases):
-        x = full_inputs(case, world, seed)
+        x = {name: t.to(device) for name, t in full_inputs(case, world, seed).items()}
         mine = _run(case, x)
-        result = {"inputs": x, "outputs": {n: _unshard(case, x, n, mine[n]) for n in NAMES}}
+        outputs = {n: _unshard(case, x, n, mine[n]).cpu() for n in NAMES}
+        result = {"inputs": {name: t.cpu() for name, t in x.items()}, "outputs": outputs}
         if case.deterministic:
             again = _run(case, x)
-            result["repeats"] = _everywhere(all(torch.equal(mine[n], again[n]) for n in NAMES))
-        if case.simulated:
+            result["repeats"] = _everywhere(all(torch.equal(mine[n], again[n]) for n in NAMES), device)
+        # on a GPU only deterministic calls repeat bit for bit (the fused backward adds dQ by atomics)
+        if case.simulated and (backend == "gloo" or case.deterministic):
             simulated = simulate(case, x, world)[rank]
-            result["simulated"] = _everywhere(all(torch.equal(simulated[n], mine[n]) for n in NAMES))
+            result["simulated"] = _everywhere(all(torch.equal(simulated[n], mine[n]) for n in NAMES), device)
         saved[case.name] = result
-    saved["refusals"] = _refusals(world)
+    saved["refusals"] = _refusals(world, device)
     if rank == 0:
         torch.save(saved, out_path)
     dist.destroy_process_group()

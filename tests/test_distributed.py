@@ -204,17 +204,27 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "gloo",
+        pytest.param("nccl", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more GPUs")),
+    ],
+)
 @pytest.mark.parametrize("world", [2, 4])
-def test_gloo_groups_match_the_reference(world, tmp_path):
-    """Each case on `world` processes: results against the reference; the ring bit for bit as its simulation;
-    deterministic calls bit for bit on a repeat; wrong calls refused on every rank before any transfer."""
+def test_groups_match_the_reference(world, backend, tmp_path):
+    """Each case on `world` processes (gloo on the CPU; NCCL, one GPU each): results against the reference; the ring
+    bit for bit as its simulation; deterministic calls bit for bit on a repeat; wrong calls refused on every rank
+    before any transfer."""
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
     out_path = str(tmp_path / "results.pt")
-    mp.spawn(worker, args=(world, str(tmp_path / "store"), CASES, out_path), nprocs=world)
+    mp.spawn(worker, args=(world, str(tmp_path / "store"), CASES, out_path, backend), nprocs=world)
     saved = torch.load(out_path)
     for case in CASES:
         result = saved[case.name]
-        check_case(f"world {world} {case.name}", case, result["inputs"], result["outputs"])
-        if case.simulated:
+        check_case(f"{backend} world {world} {case.name}", case, result["inputs"], result["outputs"])
+        if case.simulated and (backend == "gloo" or case.deterministic):
             assert result["simulated"], f"world {world} {case.name}: the ring differs from its simulation"
         if case.deterministic:
             assert result["repeats"], f"world {world} {case.name}: a deterministic repeat differs"
