@@ -124,15 +124,18 @@ def cases(cuda: bool, world_max: int) -> list[RingCase]:
 # Each provider: (forward, context): a step runs forward().backward(grad) inside context().
 
 
+def _packed(case: RingCase, q, k, v) -> tuple:
+    """A ragged case's packed (total / world, heads, D) q, k, v, its global cu_seqlens and longest document."""
+    lengths = case.documents()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
+    return *(x.flatten(0, 1) for x in (q, k, v)), cu, max(lengths)
+
+
 def _ring_call(case: RingCase, group, q, k, v):
     if not case.ragged:
         return lambda: ring_flash_attn_func(q, k, v, group=group, causal=True), contextlib.nullcontext
-    lengths = case.documents()
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
-    q, k, v = (x.flatten(0, 1) for x in (q, k, v))
-    return lambda: ring_flash_attn_varlen_func(q, k, v, cu, max(lengths), group=group, causal=True), (
-        contextlib.nullcontext
-    )
+    packed = _packed(case, q, k, v)
+    return lambda: ring_flash_attn_varlen_func(*packed, group=group, causal=True), contextlib.nullcontext
 
 
 def _ulysses_call(case: RingCase, group, q, k, v):
@@ -140,12 +143,8 @@ def _ulysses_call(case: RingCase, group, q, k, v):
         raise ValueError(f"heads {case.heads}/{case.heads_k} do not split over {case.world} ranks")
     if not case.ragged:
         return lambda: ulysses_flash_attn_func(q, k, v, group=group, causal=True), contextlib.nullcontext
-    lengths = case.documents()
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
-    q, k, v = (x.flatten(0, 1) for x in (q, k, v))
-    return lambda: ulysses_flash_attn_varlen_func(q, k, v, cu, max(lengths), group=group, causal=True), (
-        contextlib.nullcontext
-    )
+    packed = _packed(case, q, k, v)
+    return lambda: ulysses_flash_attn_varlen_func(*packed, group=group, causal=True), contextlib.nullcontext
 
 
 def _torch_cp_call(case: RingCase, group, q, k, v):

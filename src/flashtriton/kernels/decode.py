@@ -7,7 +7,7 @@ Notation
   CAPACITY     cache rows a sequence may use: the cache's seqlen, or (paged) the block table's width x PAGE_SIZE
   PAGE_SIZE    rows per page of a paged cache: sequence b's row r lives in page BLOCK_TABLE[b, r // PAGE_SIZE] at
                row r % PAGE_SIZE; a contiguous cache's row r is row r of batch row CACHE_BATCH_IDX[b] (or b).
-               A constexpr: the row's page and slot by shifts, not divisions
+               A constexpr: the row's page and slot without a runtime division (shifts for powers of two)
   start, end   sequence b's keys are its cache rows [start, CACHE_SEQLENS[b] + N_NEW) within the CAPACITY:
                start = CACHE_LEFTPAD[b] (or 0), key j is row start + j, N_K of them; the masks are params.py's with
                offset = end - N_Q, end = CACHE_SEQLENS[b] + N_NEW - start (rows past the cache, dropped, count)
