@@ -39,7 +39,6 @@ from .primitives import (
     LOG2E,
     PRODUCER_REGISTERS,
     PRODUCER_WARPS,
-    at,
     band_only,
     barriers,
     fill,
@@ -49,6 +48,7 @@ from .primitives import (
     mma_layout,
     operand_layout,
     outside_band,
+    park,
     resident,
     ring,
     rows_start,
@@ -57,6 +57,7 @@ from .primitives import (
     store_rows,
     take,
     tiles,
+    unpark,
 )
 
 
@@ -143,12 +144,13 @@ def _store_keys(desc, outs, which: gl.constexpr, value, smem, coord, rows_left, 
 
 
 @gluon.jit
-def _dkdv_consumer(dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv, outs, n0, n, first_query, sums_row,
+def _dkdv_consumer(dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_at, outs, n0, n, first_query, sums_row,
                    q_col, n_steps, GROUP, qk_scale, softmax_scale, window_left, W: gl.constexpr, FUSED: gl.constexpr,
                    DQ_LATE: gl.constexpr, READ_AHEAD: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                    VARLEN: gl.constexpr, RAGGED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    D: gl.constexpr):  # fmt: skip
-    """Warpgroup W's BLOCK_N keys (coordinate kv's rows + W * BLOCK_N on; n0 + W * BLOCK_N on in the sequence of n):
+    """Warpgroup W's BLOCK_N keys (n0 + W * BLOCK_N on in the sequence of n; kv_at: the program's parked (batch,
+    first key row, K/V head) coordinate in the descriptors):
     for each query tile of the ring ``steps``, S^T = K Q^T and dP^T = V dO^T (both from shared memory), then
     dV += P^T dO and dK += dS^T Q with P^T and dS^T from registers. outs: ((dK, strides), (dV, strides)) for
     _store_keys; sums_row, q_col: the first query tile's coordinate in the dQ sums.
@@ -244,7 +246,8 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv,
     if FUSED:
         mbarrier.arrive(ds_ready.index((n_all + 1) % 2), count=1)
         mbarrier.wait(ds_ready.index((n_all + 1) % 2), ((n_all + 1) // 2) & 1)
-    coord = at(kv, W * BLOCK_N)
+    bc, row, hk = unpark(kv_at, CONSUMER_WARPS)
+    coord = [bc, row + W * BLOCK_N, hk, 0]
     _store_keys(dk_desc, outs, 0, dk * softmax_scale, k_smem, coord, n - first_key, VARLEN, RAGGED)
     _store_keys(dv_desc, outs, 1, dv, v_smem, coord, n - first_key, VARLEN, RAGGED)
 
@@ -261,7 +264,7 @@ def _exchange(bars, it):
 
 @gluon.jit
 def _dkdv_split_consumer(dk_desc, dv_desc, dq_desc, k_smem, v_smem, steps, pt_bufs, dst_bufs, p_ready, ds_ready,
-                         kv_bar, kv, outs, first_key, n, first_query, sums_row, q_col, n_steps, GROUP, qk_scale,
+                         kv_bar, kv_at, outs, first_key, n, first_query, sums_row, q_col, n_steps, GROUP, qk_scale,
                          softmax_scale, window_left, W: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                          VARLEN: gl.constexpr, RAGGED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          D: gl.constexpr):  # fmt: skip
@@ -334,7 +337,8 @@ def _dkdv_split_consumer(dk_desc, dv_desc, dq_desc, k_smem, v_smem, steps, pt_bu
     # (the last step's slot is not needed again.) Once the other warpgroup too is done with K and V, their tiles stage
     # this one's dK and dV columns
     _exchange(p_ready, GROUP * n_steps)
-    coord = [kv[0], kv[1], kv[2], W * DH]
+    bc, row, hk = unpark(kv_at, CONSUMER_WARPS)
+    coord = [bc, row, hk, W * DH]
     _store_keys(dk_desc, outs, 0, dk * softmax_scale, k_cols, coord, n - first_key, VARLEN, RAGGED)
     _store_keys(dv_desc, outs, 1, dv, v_smem.slice(W * DH, DH, dim=1), coord, n - first_key, VARLEN, RAGGED)
 
@@ -391,6 +395,9 @@ def attention_backward_dkdv_sm90_kernel(
     mbarrier.expect(kv_bar, KEYS // BLOCK_N * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     k_bufs = resident(k_desc, kv_bar, kv, KEYS // BLOCK_N)
     v_bufs = resident(v_desc, kv_bar, kv, KEYS // BLOCK_N)
+    # the consumers' dK/dV coordinate waits in shared memory: held through their step loops it cost a register
+    # (a spill at D=64, uniform-register swaps beside the wgmmas at D=256)
+    kv_at = park(bc, seq0 + n0, hk, CONSUMER_WARPS)
     FUSED: gl.constexpr = dq_desc is not None
     dq_sums = ()  # (a worker partition's arguments cannot be None)
     if FUSED and not SPLIT_D:  # dQ's target; dS^T tiles [step parity][warpgroup]; their barriers; staging tiles
@@ -420,11 +427,11 @@ def attention_backward_dkdv_sm90_kernel(
         gl.warp_specialize(
             [
                 (_dkdv_split_consumer, (dk_desc, dv_desc, dq_desc, k_bufs.index(0), v_bufs.index(0), steps, pt_bufs,
-                                        dst_bufs, p_ready, ds_ready, kv_bar, kv, outs, n0, N, first_query,
+                                        dst_bufs, p_ready, ds_ready, kv_bar, kv_at, outs, n0, N, first_query,
                                         sums_row, h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left, 0,
                                         CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D)),
                 (_dkdv_split_consumer, (dk_desc, dv_desc, dq_desc, k_bufs.index(0), v_bufs.index(0), steps, pt_bufs,
-                                        dst_bufs, p_ready, ds_ready, kv_bar, kv, outs, n0, N, first_query,
+                                        dst_bufs, p_ready, ds_ready, kv_bar, kv_at, outs, n0, N, first_query,
                                         sums_row, h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left, 1,
                                         CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D)),
                 (_dkdv_producer, producer),
@@ -435,10 +442,10 @@ def attention_backward_dkdv_sm90_kernel(
     else:
         gl.warp_specialize(
             [
-                (_dkdv_consumer, (dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv, outs, n0, N,
+                (_dkdv_consumer, (dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_at, outs, n0, N,
                                   first_query, sums_row, h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left,
                                   0, FUSED, DQ_LATE, READ_AHEAD, CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D)),
-                (_dkdv_consumer, (dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv, outs, n0, N,
+                (_dkdv_consumer, (dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_at, outs, n0, N,
                                   first_query, sums_row, h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left,
                                   1, FUSED, DQ_LATE, READ_AHEAD, CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D)),
                 (_dkdv_producer, producer),

@@ -220,6 +220,37 @@ def resident(desc, bar, coord, n: gl.constexpr):
     return bufs
 
 
+@triton.constexpr_function
+def _scalars_layout(warps):
+    """Every thread of ``warps`` warps holding the whole of a 4-vector."""
+    return gl.BlockedLayout(size_per_thread=[4], threads_per_warp=[32], warps_per_cta=[warps], order=[0])
+
+
+@gluon.jit
+def park(a, b, c, warps: gl.constexpr):
+    """Three int32 scalars in shared memory for the partitions to read at their ends (unpark) instead of holding them
+    in registers through their loops; stored by the kernel's ``warps`` warps before the partitions start."""
+    layout: gl.constexpr = _scalars_layout(warps)
+    i = gl.arange(0, 4, layout)
+    vector = gl.where(i == 0, a, gl.where(i == 1, b, c))
+    smem = gl.allocate_shared_memory(gl.int32, [4], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    smem.store(vector)
+    return smem
+
+
+@gluon.jit
+def unpark(smem, warps: gl.constexpr):
+    """park's three scalars, read by a partition of ``warps`` warps."""
+    layout: gl.constexpr = _scalars_layout(warps)
+    i = gl.arange(0, 4, layout)
+    vector = smem.load(layout)
+    return (
+        gl.sum(gl.where(i == 0, vector, 0), axis=0),
+        gl.sum(gl.where(i == 1, vector, 0), axis=0),
+        gl.sum(gl.where(i == 2, vector, 0), axis=0),
+    )
+
+
 @gluon.jit
 def store(desc, value, smem, coord):
     """value to desc's tile at coord through TMA, staged in smem (a buffer the program no longer reads)."""
