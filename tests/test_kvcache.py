@@ -66,6 +66,21 @@ def _cases(tiny: bool) -> list[Case]:
         ),
         "paged-256": replace(base, page_size=256, capacity=512, seqlens=(250, 40), n_new=8, n_q=2, heads_k=1),
         "paged-12-leftpad": replace(base, page_size=12, capacity=48, leftpad=(3, 20), n_new=2, n_q=2),
+        # pages of a tile or more: a tile's rows from two block-table entries, its tiles crossing pages (leftpad, a
+        # window's unaligned first key)
+        "paged-32-leftpad-window": replace(
+            base,
+            page_size=32,
+            capacity=128,
+            leftpad=(5, 37),
+            seqlens=(60, 90),
+            n_new=3,
+            n_q=2,
+            options=dict(window_size=(21, 0)),
+        ),
+        "paged-256-leftpad": replace(
+            base, page_size=256, capacity=768, leftpad=(100, 7), seqlens=(400, 300), n_new=4, n_q=1, heads_k=1
+        ),
         "leftpad": replace(base, leftpad=(2, 26), n_q=2, n_new=2, options=dict(causal=True)),
         "batch-idx": replace(base, batch_cache=5, n_q=2, n_new=2, rotary_dim=8),
         "gqa-3-window": replace(base, heads=6, heads_k=2, n_q=4, n_new=4, options=dict(window_size=(5, 2))),
@@ -97,6 +112,14 @@ CASES["gpu"] = [
     else replace(c, capacity=c.capacity * 8, seqlens=tuple(8 * n + 1 for n in c.seqlens))
     for c in CASES["cpu"]
 ]
+# a cache long enough that the GPU reads a tile's pages by tile (config.DECODE_TILE_PAGES_MIN_CAPACITY), tiles
+# crossing pages
+CASES["gpu"].append(
+    replace(
+        CASES["cpu"][0], name="paged-256-long-leftpad", page_size=256, capacity=20480, leftpad=(300, 9),
+        seqlens=(20000, 7000), n_new=2, n_q=2, options=dict(causal=True),
+    )
+)  # fmt: skip
 
 
 def _gpu_dtype(case: Case, device: str) -> torch.dtype:
@@ -350,6 +373,12 @@ def test_route_decides_the_decode_family_and_splits():
         assert route.decode(many, 8192, 8, 0, gpu="sm90", sms=132).config.splits == splits
     # a short cache: no split below config.DECODE_MIN_SPLIT_KEYS rows; a caller's count capped at the cache's tiles
     assert route.decode(q, 300, 8, 0, gpu="sm90", sms=132).config.splits == 1
+    # paged: a tile's pages by tile where pages hold tiles and the cache is long
+    long_pages = route.decode(q, 131072, 8, 0, gpu="sm90", sms=132, page_size=256).config
+    assert long_pages.tile_pages and long_pages.block_n <= 256
+    assert not route.decode(q, 4096, 8, 0, gpu="sm90", sms=132, page_size=256).config.tile_pages
+    assert not route.decode(q, 131072, 8, 0, gpu="sm90", sms=132, page_size=16).config.tile_pages
+    assert not route.decode(q, 131072, 8, 0, gpu="sm90", sms=132).config.tile_pages
     assert route.decode(q, 100, 8, 64, gpu="sm90", sms=132).config.splits == -(-100 // r.config.block_n)
     assert route.decode(q[:0], 100, 8, 0, gpu="sm90").family == route.NONE
     assert config.decode_config("sm90", 128, torch.bfloat16, 4 * 16, 1, 8192, 132, 1).block_m == 64

@@ -60,11 +60,11 @@ def _rotary(cache: KVCache) -> dict:
     )  # fmt: skip
 
 
-def _pages(cache: KVCache) -> dict:
+def _pages(cache: KVCache, cfg: config.DecodeConfig) -> dict:
     table = cache.block_table
     return dict(
         BLOCK_TABLE=table, stride_tb=0 if table is None else table.stride(0),
-        PAGE_SIZE=max(cache.page_size, 1), CAPACITY=cache.capacity,
+        PAGE_SIZE=max(cache.page_size, 1), TILE_PAGES=cfg.tile_pages, CAPACITY=cache.capacity,
     )  # fmt: skip
 
 
@@ -77,7 +77,7 @@ def _append(cache: KVCache, cfg: config.DecodeConfig, recorder: Recorder) -> Non
         k_new, v_new, cache.k_cache, cache.v_cache, cache.cache_seqlens, cache.cache_batch_idx,
         *k_new.stride()[:3], *v_new.stride()[:3], *cache.k_cache.stride()[:3], *cache.v_cache.stride()[:3],
         N_NEW=n_new, HKV=heads_k, D=head_dim, BLOCK_D=config.block_d(head_dim), BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps, **_pages(cache), **_rotary(cache),
+        num_warps=cfg.num_warps, **_pages(cache, cfg), **_rotary(cache),
     ))  # fmt: skip
 
 
@@ -129,7 +129,7 @@ def forward(
         LEFT=p.window_left != NO_BOUND, RIGHT=p.window_right != NO_BOUND, SOFTCAP=softcap,
         UPCAST=q.dtype == torch.bfloat16 and route.interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pages(cache), **_rotary(cache),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pages(cache, cfg), **_rotary(cache),
     ))  # fmt: skip
     if cfg.splits > 1:
         recorder.add(_COMBINE.bind((batch * n_q * heads,))(

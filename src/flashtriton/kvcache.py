@@ -48,7 +48,7 @@ def _launchers(family: str) -> ModuleType:
 
 def forward(q: torch.Tensor, cache: KVCache, p: AttentionParams) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, lse) of one call, lse None unless p.write_lse; k_new, v_new appended to the cache first."""
-    r = route.decode(q, cache.capacity, cache.k_cache.shape[2], cache.num_splits)
+    r = route.decode(q, cache.capacity, cache.k_cache.shape[2], cache.num_splits, page_size=cache.page_size)
     if r.family == route.NONE:  # an empty batch: nothing to append or attend
         lse = q.new_full(lse_shape(q, False), p.empty_lse, dtype=torch.float32) if p.write_lse else None
         return torch.zeros_like(q), lse

@@ -297,19 +297,26 @@ def _backward(q, k, v, out, dout, p: AttentionParams, gpu: str | None) -> Route:
 
 
 def decode(
-    q: torch.Tensor, capacity: int, heads_k: int, num_splits: int, gpu: str | None = None, sms: int | None = None
+    q: torch.Tensor,
+    capacity: int,
+    heads_k: int,
+    num_splits: int,
+    gpu: str | None = None,
+    sms: int | None = None,
+    page_size: int = 0,
 ) -> Route:
     """The route of a KV-cache call: q (batch, seqlen_q, nheads, headdim) against caches of ``capacity`` rows per
-    sequence and ``heads_k`` K/V heads; ``num_splits`` the caller's (0: the table chooses). ``gpu``, ``sms``: route
+    sequence and ``heads_k`` K/V heads, in pages of ``page_size`` rows (0: contiguous); ``num_splits`` the caller's
+    (0: the table chooses). ``gpu``, ``sms``: route
     for that arch's table and SM count instead of q's device (tests). Remembered by shape: a decode step's host time
     is of the order of its kernels'."""
     if gpu is not None or sms is not None:
-        return _decode(q, capacity, heads_k, num_splits, gpu, sms)
-    key = "decode", q.shape, q.dtype, q.device, capacity, heads_k, num_splits, os.environ.get(BACKEND_ENV)
-    return _remembered(key, lambda: _decode(q, capacity, heads_k, num_splits, gpu, sms))
+        return _decode(q, capacity, heads_k, num_splits, gpu, sms, page_size)
+    key = "decode", q.shape, q.dtype, q.device, capacity, heads_k, num_splits, page_size, os.environ.get(BACKEND_ENV)
+    return _remembered(key, lambda: _decode(q, capacity, heads_k, num_splits, gpu, sms, page_size))
 
 
-def _decode(q, capacity: int, heads_k: int, num_splits: int, gpu: str | None, sms: int | None) -> Route:
+def _decode(q, capacity: int, heads_k: int, num_splits: int, gpu: str | None, sms: int | None, page_size: int) -> Route:
     if q.numel() == 0:
         return Route(NONE)
     if gpu is None and _backend(q.device, q.dtype) == TORCH:
@@ -319,7 +326,9 @@ def _decode(q, capacity: int, heads_k: int, num_splits: int, gpu: str | None, sm
         sms = config.INTERPRETER_SMS if gpu == "interpreter" else sm_count(q.device)
     batch, n_q, heads, head_dim = q.shape
     rows = heads // heads_k * n_q
-    cfg = config.decode_config(gpu, head_dim, run_dtype(q.dtype, gpu), rows, batch * heads_k, capacity, sms, num_splits)
+    cfg = config.decode_config(
+        gpu, head_dim, run_dtype(q.dtype, gpu), rows, batch * heads_k, capacity, sms, num_splits, page_size
+    )
     return Route(DECODE, cfg)
 
 

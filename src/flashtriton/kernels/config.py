@@ -412,6 +412,7 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     splits: int  # programs sharing one (sequence, K/V head)'s keys; 1: one pass, no combine
+    tile_pages: bool = False  # paged: a tile's rows from two block-table reads, not a read per row (decode.py)
 
 
 DECODE_MAX_BLOCK_M = 64  # packed rows per program; a call with more (long seqlen_q x GROUP) runs several row tiles
@@ -421,6 +422,9 @@ DECODE_MIN_SPLIT_KEYS = 256  # cache rows per split at least: each split costs a
 # SMs only once left it idle (benchmarks/DECISIONS.md, "Decoding")
 DECODE_PROGRAMS_PER_SM = 8
 DECODE_COMBINE_WARPS = 4
+# Paged caches whose pages hold a tile read a tile's page (two entries: it may cross one) instead of each row's: on an
+# H200 faster from caches of 32k rows (B8 128k -4.5 to -11%, B1 32k -6%), slower at 4k (B64: +5%), so from 16k
+DECODE_TILE_PAGES_MIN_CAPACITY = 16384
 INTERPRETER_SMS = 4  # the SM count the interpreter's split choice assumes (caches of 512+ rows then split)
 # (max head dim, block_n, num_warps, num_stages) for 2-byte dtypes on CUDA GPUs, 16 KB K and V tiles each; fp32
 # halves block_n. Stages swept at D=128 only (benchmarks/decode_tune.py); the other rows take its three
@@ -437,11 +441,20 @@ def decode_splits(programs: int, capacity: int, sms: int) -> int:
 
 
 def decode_config(
-    arch: str, head_dim: int, dtype: torch.dtype, rows: int, pairs: int, capacity: int, sms: int, num_splits: int
+    arch: str,
+    head_dim: int,
+    dtype: torch.dtype,
+    rows: int,
+    pairs: int,
+    capacity: int,
+    sms: int,
+    num_splits: int,
+    page_size: int = 0,
 ) -> DecodeConfig:
     """The decode kernels' config for ``rows`` packed query rows per (sequence, K/V head), ``pairs`` such pairs,
-    caches of ``capacity`` rows and ``sms`` SMs. ``num_splits``: the caller's (0: choose),
-    capped at the cache's tiles (a split with no tile computes nothing)."""
+    caches of ``capacity`` rows in pages of ``page_size`` (0: contiguous) and ``sms`` SMs. ``num_splits``: the
+    caller's (0: choose), capped at the cache's tiles (a split with no tile computes nothing). The interpreter reads
+    whole-tile pages by tile at any capacity, so that CI runs that path."""
     if arch == "interpreter":
         block_n, warps, stages = _INTERPRETER_DECODE
     else:
@@ -452,4 +465,6 @@ def decode_config(
     block_m = min(max(MIN_BLOCK, next_power_of_2(rows)), DECODE_MAX_BLOCK_M)
     tiles = max(1, -(-capacity // block_n))
     splits = num_splits or decode_splits(pairs * -(-rows // block_m), capacity, sms)
-    return DecodeConfig(block_m, block_n, warps, stages, min(splits, tiles))
+    long_cache = capacity >= DECODE_TILE_PAGES_MIN_CAPACITY or arch == "interpreter"
+    tile_pages = page_size >= block_n and long_cache
+    return DecodeConfig(block_m, block_n, warps, stages, min(splits, tiles), tile_pages)

@@ -8,6 +8,8 @@ Notation
   PAGE_SIZE    rows per page of a paged cache: sequence b's row r lives in page BLOCK_TABLE[b, r // PAGE_SIZE] at
                row r % PAGE_SIZE; a contiguous cache's row r is row r of batch row CACHE_BATCH_IDX[b] (or b).
                A constexpr: the row's page and slot without a runtime division (shifts for powers of two)
+  TILE_PAGES   pages hold a whole BLOCK_N tile: a tile's rows lie in two pages at most, read from the block table
+               as two scalars instead of one entry per row
   start, end   sequence b's keys are its cache rows [start, CACHE_SEQLENS[b] + N_NEW) within the CAPACITY:
                start = CACHE_LEFTPAD[b] (or 0), key j is row start + j, N_K of them; the masks are params.py's with
                offset = end - N_Q, end = CACHE_SEQLENS[b] + N_NEW - start (rows past the cache, dropped, count)
@@ -81,11 +83,24 @@ def load_rotated(
 
 
 @triton.jit
-def cache_slots(rows, b, cache_b, row_ok, BLOCK_TABLE, stride_tb, PAGE_SIZE):
-    """(block, row within it) of sequence b's cache rows: a page and its row through BLOCK_TABLE, or batch row
-    cache_b and the row itself. The block is 64-bit (it multiplies the block stride)."""
+def cache_slots(first, rows, b, cache_b, row_ok, BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr,
+                TILE_PAGES: tl.constexpr, CAPACITY):  # fmt: skip
+    """(block, row within it) of sequence b's consecutive cache rows ``rows`` (from row ``first`` on): a page and
+    its row through BLOCK_TABLE, or batch row cache_b and the row itself. The block is 64-bit (it multiplies the
+    block stride). TILE_PAGES (pages of at least as many rows): the rows' two pages at most by scalar block-table
+    reads instead of a read per row."""
     if BLOCK_TABLE is not None:
-        page = tl.load(BLOCK_TABLE + b * stride_tb + rows // PAGE_SIZE, mask=row_ok, other=0)
+        table = BLOCK_TABLE + b * stride_tb
+        if TILE_PAGES:
+            # entries clamped to the table: rows outside the capacity are masked anyway (cache_seqlens are unchecked)
+            last = CAPACITY // PAGE_SIZE - 1
+            at = first // PAGE_SIZE
+            first_page = tl.load(table + tl.minimum(tl.maximum(at, 0), last))
+            crosses = first % PAGE_SIZE + rows.shape[0] > PAGE_SIZE  # else the next entry is not read
+            next_page = tl.load(table + tl.minimum(tl.maximum(at + 1, 0), last), mask=crosses, other=0)
+            page = tl.where(rows < (at + 1) * PAGE_SIZE, first_page, next_page)
+        else:
+            page = tl.load(table + rows // PAGE_SIZE, mask=row_ok, other=0)
         return page.to(tl.int64), rows % PAGE_SIZE
     else:
         return tl.zeros_like(rows).to(tl.int64) + cache_b, rows
@@ -105,7 +120,8 @@ def append_kv_kernel(
     K_NEW, V_NEW, K, V, CACHE_SEQLENS, CACHE_BATCH_IDX,
     stride_nb, stride_nn, stride_nh, stride_wb, stride_wn, stride_wh,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr, CAPACITY, ROT_COS, ROT_SIN, seqlen_ro, N_NEW, HKV,
+    BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr, CAPACITY, ROT_COS, ROT_SIN, seqlen_ro,
+    N_NEW, HKV,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
@@ -114,11 +130,13 @@ def append_kv_kernel(
     hk = (pid % HKV).to(tl.int64)
     stride_nn, stride_wn, stride_kn, stride_vn = wide(stride_nn), wide(stride_wn), wide(stride_kn), wide(stride_vn)
     j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.load(CACHE_SEQLENS + b) + j
+    first = tl.load(CACHE_SEQLENS + b) + tl.program_id(1) * BLOCK_N
+    rows = first + tl.arange(0, BLOCK_N)
     # rows past the cache are dropped: cache_seqlens are device values, checked nowhere else
     ok = (j < N_NEW) & (rows >= 0) & (rows < CAPACITY)
     cols = tl.arange(0, BLOCK_D)
-    block, slot = cache_slots(rows, b, _cache_row(CACHE_BATCH_IDX, b), ok, BLOCK_TABLE, stride_tb, PAGE_SIZE)
+    block, slot = cache_slots(first, rows, b, _cache_row(CACHE_BATCH_IDX, b), ok, BLOCK_TABLE, stride_tb, PAGE_SIZE,
+                              TILE_PAGES, CAPACITY)  # fmt: skip
     mask = ok[:, None] & (cols[None, :] < D)
     k_src = K_NEW + b * stride_nb + hk * stride_nh + j[:, None] * stride_nn
     k = load_rotated(k_src, ok, cols, rows, ROT_COS, ROT_SIN, seqlen_ro, D, ROTARY_DIM, INTERLEAVED)
@@ -138,7 +156,8 @@ def decode_split_kernel(
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lm,
-    BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr, CAPACITY, ROT_COS, ROT_SIN, seqlen_ro, N_Q, N_NEW, H, HKV,
+    BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr, CAPACITY, ROT_COS, ROT_SIN, seqlen_ro,
+    N_Q, N_NEW, H, HKV,
     GROUP, SPLITS, qk_scale, softcap, window_left, window_right, rotary_step, empty_lse,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ROTARY_DIM: tl.constexpr,
@@ -194,7 +213,8 @@ def decode_split_kernel(
     for n0 in tl.range(lo, hi, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
         key_ok = keys < hi
-        block, slot = cache_slots(start + keys, b, cache_b, key_ok, BLOCK_TABLE, stride_tb, PAGE_SIZE)
+        block, slot = cache_slots(start + n0, start + keys, b, cache_b, key_ok, BLOCK_TABLE, stride_tb, PAGE_SIZE,
+                                  TILE_PAGES, CAPACITY)  # fmt: skip
         kv_mask = key_ok[:, None] & (cols[None, :] < D)
         k = tl.load(K + block[:, None] * stride_kb + slot[:, None] * stride_kn + hk * stride_kh + cols[None, :],
                     mask=kv_mask, other=0.0)  # fmt: skip
