@@ -393,14 +393,14 @@ def forward(
         made = plan(q=q, k=k, v=v, sinks=p.sinks)
         return made["out"], made.get("lse")
     recorder = Recorder(q=q, k=k, v=v, sinks=p.sinks)
-    out_dtype = q.dtype
+    out_dtype = p.result_dtype(q.dtype)
     run_dtype = route.run_dtype(q.dtype)
     shape = q.shape
     lse = recorder.empty("lse", lse_shape(q, p.varlen), torch.float32, q.device) if p.write_lse else None
     q, k, v = (_kernel_view(x, run_dtype) for x in (q, k, v))
     batch, n_q, n_k = route.lengths(q, k, p)
     head_dim = q.shape[3]
-    out = recorder.empty("out", q.shape, run_dtype, q.device)
+    out = recorder.empty("out", q.shape, p.result_dtype(run_dtype), q.device)
     cfg = r.config
     if r.family == route.HOPPER:
         if autotune.enabled():
@@ -491,7 +491,7 @@ def _unaligned(rows: torch.Tensor, p: AttentionParams, shape: torch.Size) -> tor
 
 def _gradients(dout, dlse, q, k, v, out, lse, p: AttentionParams, r: route.Route):
     """dQ, dK, dV and delta = rowsum(dO * O) - dLSE: laid out as the LSE, or on the Gluon path in aligned rows."""
-    grad_dtype = q.dtype
+    grad_dtype = p.result_dtype(q.dtype)
     shapes = q.shape, k.shape, v.shape
     key = _plan_key(r)
     plan = _PLANS.get(key)
@@ -519,7 +519,8 @@ def _gradients(dout, dlse, q, k, v, out, lse, p: AttentionParams, r: route.Route
         sums_shape = (q.shape[0], cdiv(q.shape[1], r.config.block_m) * r.config.block_m, *q.shape[2:])
         dq_sums = recorder.empty("dq_sums", sums_shape, torch.float32, q.device)
     # the gradients in their inputs' layouts, as flash_attn's (a model's (B, H, N, D) storage seen as (B, N, H, D))
-    dq, dk, dv = (recorder.empty_like(name, x) for name, x in (("dq", q), ("dk", k), ("dv", v)))
+    grads = ("dq", q), ("dk", k), ("dv", v)
+    dq, dk, dv = (recorder.empty_like(name, x, p.result_dtype(x.dtype)) for name, x in grads)
     if r.dq == route.PAIR:  # dQ's own pass, which also computes delta for the dK/dV kernel after it
         recorder.add(_hopper_dq(q, k, v, out, dout, lse, dlse, delta, lse_rows, dq, p, r.config))
         recorder.add(_hopper_dkdv(q, k, v, dout, lse_rows, delta, dk, dv, None, p, r.config))
