@@ -1,15 +1,17 @@
 """Compile every kernel variant for Hopper (sm90) on a machine without a GPU, through the real launchers.
 
     python benchmarks/compile_sm90.py [--head-dims 64 128 256 96] [--seqlen 2048] [--cases dense causal]
-                                      [--whole] [--json]
+                                      [--whole] [--fp32-results] [--json]
 
-For each head dim, feature set (dense, causal, causal with sinks, window, long window, all features, varlen,
-block mask) and sequence length (the one given: whole tiles; and, unless --whole, one less: a ragged last tile),
-the forward and backward launchers run with CPU tensors while a stand-in driver reports an sm90 GPU and kernels
-are compiled, not launched. Prints registers and spill (stack) bytes per kernel from the cubin (--json: one
-JSON object, build name to {"kernels": [[kernel, registers, stack bytes], ...], "error": null or why}), and
-exits non-zero if any build fails: Triton 3.6's ptxas segfaults on some TMA kernels, so run this after
-touching kernels/config.py and before spending GPU time. tests/test_sm90_build.py runs it on a few builds.
+For each head dim, feature set (dense, causal, causal with sinks, deterministic causal, window, long window, all
+features, varlen, block mask) and sequence length (the one given: whole tiles; and, unless --whole, one less: a
+ragged last tile), the forward and backward launchers run with CPU tensors while a stand-in driver reports an sm90
+GPU and kernels are compiled, not launched (with --fp32-results, for calls that ask for fp32 out, dq, dk, dv as ring
+attention's steps do: AttentionParams.fp32_results; builds named "... fp32"). Prints registers and spill (stack)
+bytes per kernel from the cubin (--json: one JSON object, build name to {"kernels": [[kernel, registers, stack
+bytes], ...], "error": null or why}), and exits non-zero if any build fails: Triton 3.6's ptxas segfaults on some
+TMA kernels, so run this after touching kernels/config.py and before spending GPU time. tests/test_sm90_build.py
+runs it on a few builds.
 Run it without TRITON_INTERPRET=1: under the interpreter @triton.jit kernels are not compiled.
 Depends on Triton 3.6 internals (runtime driver, JITFunction.run): a tool, not part of the package.
 """
@@ -23,6 +25,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -110,6 +113,7 @@ def _cases(n: int, head_dim: int) -> dict:
         "dense": (False, AttentionParams(scale)),
         "causal": (False, AttentionParams(scale, window_right=0)),
         "causal sinks": (False, AttentionParams(scale, window_right=0, sinks=torch.randn(8))),
+        "deterministic": (False, AttentionParams(scale, window_right=0, deterministic=True)),  # the dQ kernel's
         "window": (False, AttentionParams(scale, window_left=n // 4, window_right=0)),
         "long window": (False, AttentionParams(scale, window_left=1800, window_right=16)),  # span > SHORT_SPAN
         "features": (False, features),
@@ -127,10 +131,12 @@ def _cases(n: int, head_dim: int) -> dict:
     }
 
 
-def build(head_dim: int, n: int, case: str) -> dict:
-    """Compiles the forward and backward kernels that one case's call launches: {"kernels": [(kernel, registers,
-    stack bytes), ...] in launch order, "error": None, or why a build failed (the kernels built before it)}."""
+def build(head_dim: int, n: int, case: str, fp32_results: bool = False) -> dict:
+    """Compiles the forward and backward kernels that one case's call launches, with fp32 results if asked: {"kernels":
+    [(kernel, registers, stack bytes), ...] in launch order, "error": None, or why a build failed (the kernels built
+    before it)}."""
     varlen, params = _cases(n, head_dim)[case]
+    params = replace(params, fp32_results=fp32_results)
     shape = (n, 8, head_dim) if varlen else (2, n, 8, head_dim)
     q = torch.randn(shape, dtype=torch.bfloat16)
     k, v = (torch.randn(*shape[:-2], 4, head_dim, dtype=torch.bfloat16) for _ in range(2))
@@ -155,20 +161,22 @@ def main() -> int:
     parser.add_argument("--seqlen", type=int, default=2048)
     parser.add_argument("--cases", nargs="+", choices=list(_cases(256, 64)), help="default: all")
     parser.add_argument("--whole", action="store_true", help="only the given seqlen, not also a ragged one less")
+    parser.add_argument("--fp32-results", action="store_true", help="calls that ask for fp32 out, dq, dk, dv")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a line per build")
     args = parser.parse_args()
     results = {}
     for head_dim in args.head_dims:
         for n in (args.seqlen,) if args.whole else (args.seqlen, args.seqlen - 1):
             for case in args.cases or _cases(n, head_dim):
-                name = f"d{head_dim} N={n} {case}"
-                results[name] = result = build(head_dim, n, case)
+                label = f"{case} fp32" if args.fp32_results else case
+                name = f"d{head_dim} N={n} {label}"
+                results[name] = result = build(head_dim, n, case, args.fp32_results)
                 if not args.json:
                     if result["error"] is None:
                         line = "  ".join(f"{kernel[10:]} {regs}r/{stack}B" for kernel, regs, stack in result["kernels"])
                     else:
                         line = f"FAILED after {[kernel for kernel, _, _ in result['kernels']]}: {result['error']}"
-                    print(f"d{head_dim} N={n} {case:12s} {line}", flush=True)
+                    print(f"d{head_dim} N={n} {label:12s} {line}", flush=True)
     failures = sum(result["error"] is not None for result in results.values())
     print(json.dumps(results) if args.json else f"{failures} failed builds")
     return 1 if failures else 0

@@ -51,6 +51,9 @@ class Case:
     deterministic: bool = False
     ulysses: int = 1  # > 1: the ring's 2-D form, groups of this many consecutive ranks trading heads
 
+    def __str__(self) -> str:
+        return self.name
+
     def groups(self, world: int) -> dict:
         """The ring's group and ulysses_group of this rank (ring_flash_attn_func's 2-D form), or none."""
         return _GROUPS[(world, self.ulysses)] if self.ulysses > 1 else {}

@@ -1,5 +1,7 @@
 """Numerics of flash_attn_func against the fp64 reference, on every available target."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -7,10 +9,14 @@ import flashtriton
 from flashtriton import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, ops
 from flashtriton.params import NO_BOUND, AttentionParams
 from helpers import (
+    FLOOR_ULPS,
     TARGETS,
+    Seqlens,
     Shape,
     assert_close_to_reference,
     dtypes_for,
+    max_error,
+    packed_inputs,
     random_qkv,
     reference_outputs,
     target_params,
@@ -276,3 +282,63 @@ def test_autocast_runs_in_autocast_dtype(backend):
     assert out.dtype == dtype
     ref, _ = flashtriton.attention_reference(q, k, v)
     torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
+
+
+# fp32 results (AttentionParams.fp32_results): each sm90 Gluon path on the GPU (forward; fused dK/dV at D=64, 128,
+# 256; the dQ kernel, deterministic or at D=128 causal; a ragged last tile), dense and varlen, GQA
+FP32_RESULTS_SHAPES = {
+    "tiny": [Seqlens((17,), (17,), 2, 1, 16), Seqlens((5, 12), (5, 12), 2, 1, 16)],
+    "cpu": [Seqlens((65, 65), (65, 65), 4, 2, 32), Seqlens((30, 70), (30, 70), 4, 2, 32)],
+    "gpu": [
+        Seqlens((1024, 1024), (1024, 1024), 8, 2, 128),
+        Seqlens((2048,), (2048,), 4, 2, 64),
+        Seqlens((1024, 1024), (1024, 1024), 4, 2, 256),
+        Seqlens((1000,), (1000,), 4, 4, 128),
+        Seqlens((512, 1536), (512, 1536), 8, 2, 128),
+        Seqlens((300, 1000, 700), (300, 1000, 700), 4, 2, 64),
+    ],
+}
+
+
+def _dense_or_packed(lens: Seqlens, dtype, device):
+    """Equal lengths: a dense (batch, n, heads, dim) batch; else a packed one. (q, k, v, dout, dlse, cu_seqlens or
+    None)."""
+    q, k, v, cu_q, _ = packed_inputs(lens, dtype, device)
+    if len(set(lens.q)) == 1:
+        q, k, v = (x.view(lens.batch, lens.q[0], *x.shape[1:]) for x in (q, k, v))
+        cu_q = None
+    dout = torch.randn_like(q)
+    lse_shape = (q.shape[1], q.shape[0]) if cu_q is not None else (q.shape[0], q.shape[2], q.shape[1])
+    return q, k, v, dout, torch.randn(lse_shape, device=device), cu_q
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "deterministic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("backend,lens", target_params(FP32_RESULTS_SHAPES), indirect=["backend"])
+def test_fp32_results_are_fp32_and_no_less_accurate(backend, lens, causal, deterministic):
+    """out and dq, dk, dv asked for in fp32 come out fp32, at least as close to the fp64 reference as the same call's
+    results in the inputs' dtype (the backwards given the same out, in the inputs' dtype as autograd's is), and within
+    the one tolerance rule."""
+    dtype = torch.bfloat16
+    q, k, v, dout, dlse, cu = _dense_or_packed(lens, dtype, backend.device)
+    varlen = {}
+    if cu is not None:
+        varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens.q), max_seqlen_k=max(lens.k))
+    rounded = AttentionParams(
+        lens.head_dim**-0.5, window_right=0 if causal else NO_BOUND, deterministic=deterministic, **varlen
+    )
+    wide = replace(rounded, fp32_results=True)
+    out, lse = ops.forward(q, k, v, rounded)
+    out_wide = ops.forward(q, k, v, wide)[0]
+    grads = ops.backward(dout, dlse, q, k, v, out, lse, rounded)[:3]
+    grads_wide = ops.backward(dout, dlse, q, k, v, out, lse, wide)[:3]
+    cu_seqlens = None if cu is None else (cu, cu)
+    exact = reference_outputs(*(x.double() for x in (q, k, v, dout, dlse)), causal, cu_seqlens=cu_seqlens)
+    plain = reference_outputs(q, k, v, dout, dlse, causal, compute_dtype=None, cu_seqlens=cu_seqlens)
+    exact, plain = [exact[0], *exact[2:5]], [plain[0], *plain[2:5]]
+    for name, r, w, e, p in zip(("out", "dq", "dk", "dv"), (out, *grads), (out_wide, *grads_wide), exact, plain,
+                                strict=True):  # fmt: skip
+        assert w.dtype == torch.float32 and r.dtype == dtype, name
+        floor = FLOOR_ULPS * torch.finfo(torch.float32).eps * max(1.0, e.abs().max().item())
+        assert max_error(w, e) <= max_error(r, e) + floor, f"{name}: fp32 {max_error(w, e):.3e} > {max_error(r, e):.3e}"
+        assert_close_to_reference(name, w, e, p)

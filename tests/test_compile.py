@@ -171,3 +171,29 @@ def test_opcheck():
     packed = [x[0].detach().requires_grad_() for x in (q, k, v)]
     varlen = AttentionParams(0.25, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=5, max_seqlen_k=5)
     torch.library.opcheck(torch.ops.flashtriton.attention_forward.default, (*packed, *schema.to_schema(varlen)))
+    wide = AttentionParams(0.25, window_right=0, fp32_results=True)  # out (and the backward's dq, dk, dv) in fp32
+    bf16 = [x.detach().to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
+    torch.library.opcheck(torch.ops.flashtriton.attention_forward.default, (*bf16, *schema.to_schema(wide)))
+
+
+@pytest.mark.parametrize("backend", [t for t in TARGETS if t.name != "cpu-interp"], ids=str, indirect=True)
+def test_fp32_results_trace_as_fp32(backend):
+    """A traced call that asks for fp32 results: the ops' fake implementations report fp32 out, dq, dk, dv for bf16
+    inputs, and the compiled graph gives the eager numbers (the interpreter's kernels: test_fullgraph_matches_eager's
+    and test_attention's)."""
+    torch._dynamo.reset()
+    q, k, v = (x.detach().to(torch.bfloat16) for x in _inputs(backend.device))
+    fields = schema.to_schema(AttentionParams(0.25, window_right=0, fp32_results=True))
+
+    def step(q, k, v):
+        out, lse = torch.ops.flashtriton.attention_forward(q, k, v, *fields)
+        dout = out.to(q.dtype)  # the backward as a ring runs it: the merged out in the inputs' dtype
+        return out, *torch.ops.flashtriton.attention_backward(dout, lse.cos(), q, k, v, dout, lse, *fields)[:3]
+
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = step(*(mode.from_tensor(x) for x in (q, k, v)))
+    assert [x.dtype for x in fake] == [torch.float32] * 4
+    compiled = torch.compile(step, fullgraph=True, backend=_compiler(backend.device))(q, k, v)
+    for x, eager in zip(compiled, step(q, k, v), strict=True):
+        assert x.dtype == torch.float32
+        torch.testing.assert_close(x, eager, rtol=1e-4, atol=1e-4)

@@ -45,17 +45,26 @@ SPILLS = {
 }
 # Sinks change the forward's epilogue alone: with them every kernel spills no more than without
 SPILLS.update({(d, "causal sinks", kernel): n for (d, case, kernel), n in list(SPILLS.items()) if case == "causal"})
+# fp32 results (compile_sm90.py --fp32-results), stored from registers
+SPILLS.update({
+    (64, "causal fp32", DKDV): 8,
+    (128, "causal fp32", FORWARD): 24,
+    (128, "causal fp32", DKDV): 40,
+    (256, "causal fp32", FORWARD): 16,
+    (256, "causal fp32", DKDV): 96,
+})  # fmt: skip
 
 pytestmark = pytest.mark.skipif(
     not triton_compat.PRIVATE_API_OK, reason=f"the Gluon kernels are off: {triton_compat.PRIVATE_API_PROBLEM}"
 )
 
 
-def _build(head_dims: list[int], cases: list[str]) -> dict:
-    """compile_sm90's results for these builds, by (head dim, case)."""
+def _build(head_dims: list[int], cases: list[str], fp32_results: bool = False) -> dict:
+    """compile_sm90's results for these builds, by (head dim, case; " fp32" after it for fp32 results)."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(flashtriton.__file__).parents[1]), env.get("PYTHONPATH", "")])
     args = ["--head-dims", *map(str, head_dims), "--seqlen", str(SEQLEN), "--cases", *cases, "--whole", "--json"]
+    args += ["--fp32-results"] if fp32_results else []
     run = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, env=env, timeout=600)
     assert run.stdout, run.stderr[-2000:]
     results = json.loads(run.stdout.splitlines()[-1])
@@ -90,6 +99,15 @@ def test_sm90_kernels_build():
         (256, "causal sinks"): fused,
     }
     _check(_build([64, 128, 256], ["dense", "causal", "causal sinks"]), expected)
+
+
+def test_sm90_fp32_results_build():
+    """Calls that ask for fp32 results (ring attention's steps) at each D, causal: O, dK and dV, and the dQ kernel's
+    dQ stored from registers; fused dK/dV at 64 and 256 (split across the warpgroups by columns), the dQ kernel and
+    dK/dV after it at 128."""
+    fused = {FORWARD, DKDV}
+    expected = {(64, "causal fp32"): fused, (128, "causal fp32"): {FORWARD, DQ, DKDV}, (256, "causal fp32"): fused}
+    _check(_build([64, 128, 256], ["causal"], fp32_results=True), expected)
 
 
 @pytest.mark.slow

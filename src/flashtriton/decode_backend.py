@@ -99,7 +99,7 @@ def forward(
     batch, n_q, heads, head_dim = q.shape
     heads_k = cache.k_cache.shape[2]
     rows = heads // heads_k * n_q
-    out = recorder.empty("out", q.shape, q.dtype, q.device)
+    out = recorder.empty("out", q.shape, p.result_dtype(q.dtype), q.device)
     lse = recorder.empty("lse", (batch, heads, n_q), torch.float32, q.device) if p.write_lse else None
     if cfg.splits == 1:
         o_split, lse_split, empty_lse = out, lse, p.empty_lse

@@ -67,7 +67,7 @@ def forward(
         positions = cache.cache_seqlens.long()[:, None] + step * torch.arange(n_q, device=q.device)
         q = rotary_reference(q, cache.rotary_cos, cache.rotary_sin, positions, cache.rotary_interleaved)
     k, v = dense_keys(cache, cache.k_cache), dense_keys(cache, cache.v_cache)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=p.result_dtype(q.dtype), device=q.device)
     lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)
     for b in range(batch):
         # keys up to the append's end: rows it dropped past the cache are masked out but keep the masks' alignment

@@ -51,7 +51,7 @@ def forward(q: torch.Tensor, cache: KVCache, p: AttentionParams) -> tuple[torch.
     r = route.decode(q, cache.capacity, cache.k_cache.shape[2], cache.num_splits, page_size=cache.page_size)
     if r.family == route.NONE:  # an empty batch: nothing to append or attend
         lse = q.new_full(lse_shape(q, False), p.empty_lse, dtype=torch.float32) if p.write_lse else None
-        return torch.zeros_like(q), lse
+        return torch.zeros_like(q, dtype=p.result_dtype(q.dtype)), lse
     return _launchers(r.family).forward(q, cache, p, r)
 
 
@@ -63,7 +63,8 @@ def _op(q, *values):
 
 def _fake(q, *values):
     params = schema.from_schema(values[len(_CACHE_FIELDS) :])
-    return q.new_empty(q.shape), q.new_empty(lse_shape(q, False) if params.write_lse else NO_LSE, dtype=torch.float32)
+    out = q.new_empty(q.shape, dtype=params.result_dtype(q.dtype))
+    return out, q.new_empty(lse_shape(q, False) if params.write_lse else NO_LSE, dtype=torch.float32)
 
 
 attention_with_kvcache_op = torch.library.custom_op(

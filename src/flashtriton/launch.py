@@ -267,10 +267,10 @@ class Recorder:
         self.tensors[name] = x
         return x
 
-    def empty_like(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """A new tensor in x's layout where x is dense, else contiguous (torch.empty_like's rule); a replay
-        allocates it with the same strides."""
-        y = torch.empty_like(x)
+    def empty_like(self, name: str, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A new tensor in x's layout where x is dense, else contiguous (torch.empty_like's rule), in x's dtype or
+        ``dtype``; a replay allocates it with the same strides."""
+        y = torch.empty_like(x, dtype=dtype)
         self.allocations.append((name, tuple(y.shape), None if y.is_contiguous() else tuple(y.stride()), y.dtype,
                                  y.device))  # fmt: skip
         self.tensors[name] = y

@@ -41,7 +41,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
     r = route.forward(q, k, v, p)
     if r.family == route.NONE:
         lse = keyless_lse(lse_shape(q, p.varlen), p, q.device) if p.write_lse else None
-        return torch.zeros_like(q), lse
+        return torch.zeros_like(q, dtype=p.result_dtype(q.dtype)), lse
     return _launchers(r.family).forward(q, k, v, p, r)
 
 
@@ -70,7 +70,8 @@ def backward(dout, dlse, q, k, v, out, lse, p: AttentionParams):
     r = route.backward(dout, dlse, q, k, v, out, lse, p)
     if r.family == route.NONE:  # out is 0: delta = -dLSE
         dsinks = sinks_grad(p, final_lse(lse, p), -dlse)
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dsinks
+        dq, dk, dv = (torch.zeros_like(x, dtype=p.result_dtype(x.dtype)) for x in (q, k, v))
+        return dq, dk, dv, dsinks
     return _launchers(r.family).backward(dout, dlse, q, k, v, out, lse, p, r)
 
 
@@ -85,7 +86,7 @@ def _forward_op(q, k, v, *fields):
 def _forward_fake(q, k, v, *fields):
     params = schema.from_schema(fields)
     shape = lse_shape(q, params.varlen) if params.write_lse else NO_LSE
-    return q.new_empty(q.shape), q.new_empty(shape, dtype=torch.float32)
+    return q.new_empty(q.shape, dtype=params.result_dtype(q.dtype)), q.new_empty(shape, dtype=torch.float32)
 
 
 NO_SINKS = (0,)  # the sinks' gradient's slot in the backward op's schema, for a call without sinks
@@ -97,9 +98,11 @@ def _backward_op(dout, dlse, q, k, v, out, lse, *fields):
 
 
 def _backward_fake(dout, dlse, q, k, v, out, lse, *fields):
-    sinks = schema.from_schema(fields).sinks
+    params = schema.from_schema(fields)
+    sinks = params.sinks
     dsinks = q.new_empty(NO_SINKS if sinks is None else sinks.shape, dtype=torch.float32)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+    dq, dk, dv = (x.new_empty(x.shape, dtype=params.result_dtype(x.dtype)) for x in (q, k, v))
+    return dq, dk, dv, dsinks
 
 
 attention_forward = torch.library.custom_op(

@@ -30,6 +30,8 @@ bottom-right as in flash_attn):
               (flash_attn's: the backward's exp(S - LSE) is then 0), -inf for a partial one that a split-KV or ring
               merge combines by log-sum-exp (an empty part then weighs nothing). With a finite sink the row is not
               empty: O = 0 and LSE = sinks[h] (the sink alone)
+  fp32_results  out (forward) and dq, dk, dv (backward) in fp32 instead of the inputs' dtype: partial results that
+              a split or ring merge adds up, rounded once at the end instead of once per part
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class AttentionParams:
     deterministic: bool = False  # backward: bitwise reproducible (no atomic sums), where that costs speed
     write_lse: bool = True  # False: an inference call, whose kernels write no LSE (the op returns an empty one)
     empty_lse: float = math.inf  # the LSE of a row that sees no key (module docstring)
+    fp32_results: bool = False  # out, dq, dk, dv in fp32 (module docstring)
     # (nheads,) fp32, contiguous. Not compared: layout keys (route._layout_key) take its layout, calls its values
     sinks: torch.Tensor | None = field(default=None, compare=False)
 
@@ -106,6 +109,10 @@ class AttentionParams:
     def seed(self) -> int:
         """The dropout seed as the kernels take it (0 without dropout)."""
         return int(self.dropout_seed.item()) if self.dropout_seed is not None else 0
+
+    def result_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of out, dq, dk and dv for inputs of ``dtype``."""
+        return torch.float32 if self.fp32_results else dtype
 
     def span(self, n_q: int, n_k: int) -> int:
         """About how many keys a query row sees: a BlockMask's mean listed keys; the window's width when bounded on

@@ -15,7 +15,7 @@ tiled  the same algorithm as the Triton kernels, in PyTorch ops, for every optio
 The tiled forward walks query tiles and, inside, the key tiles they can see with an online softmax;
 the backward recomputes each score tile from Q, K and the saved LSE. Extra memory is
 O(N * d + BLOCK_M * BLOCK_N) per (batch, head): no seqlen_q x seqlen_k matrix is ever allocated.
-Arithmetic is fp32 whatever the input dtype.
+Arithmetic is fp32 whatever the input dtype (the fused kernel's with fp32 results: params.fp32_results).
 
 Every option of AttentionParams (params.py has the semantics) is applied to a score tile in
 _scores: softcap, ALiBi, score_mod, then the window's and the block mask's element masks. A sink is
@@ -195,8 +195,8 @@ def _sequences(params: AttentionParams) -> list[tuple[slice, slice]]:
 def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams, route: Route
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """out (shaped as q, its dtype) and the natural-log LSE in fp32 (None unless params.write_lse: the blockwise
-    softmax computes it all the same, so it is only dropped).
+    """out (shaped as q, in params.result_dtype's) and the natural-log LSE in fp32 (None unless params.write_lse: the
+    blockwise softmax computes it all the same, so it is only dropped).
 
     Dense: q (batch, seqlen_q, nheads, headdim), k, v (batch, seqlen_k, nheads_k, headdim),
     lse (batch, nheads, seqlen_q). Varlen: q (total_q, nheads, headdim), k, v (total_k, nheads_k,
@@ -205,7 +205,7 @@ def forward(
     if not params.varlen:
         out, lse = _dense_forward(q, k, v, params, first_batch=0)
     else:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape, dtype=params.result_dtype(q.dtype), device=q.device)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
         for b, (rows_q, rows_k) in enumerate(_sequences(params)):
             out_b, lse_b = _dense_forward(q[None, rows_q], k[None, rows_k], v[None, rows_k], params, first_batch=b)
@@ -223,7 +223,7 @@ def _tiled_forward(q, k, v, params: AttentionParams, first_batch: int) -> tuple[
     """Tiled dense forward on batch entries first_batch, first_batch + 1, ... (their alibi and dropout indices)."""
     batch, n_q, heads, head_dim = q.shape
     n_k, heads_k = k.shape[1], k.shape[2]
-    out = torch.empty(batch, n_q, heads, head_dim, dtype=q.dtype, device=q.device)
+    out = torch.empty(batch, n_q, heads, head_dim, dtype=params.result_dtype(q.dtype), device=q.device)
     lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)
     block_m = _query_block(params)
     for m0 in range(0, n_q, block_m):
@@ -272,8 +272,8 @@ def backward(
     params: AttentionParams,
     route: Route,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv (shaped and typed as q, k, v) by recomputation from q, k, v and the forward's lse, and dsinks
-    (None without sinks).
+    """dq, dk, dv (shaped as q, k, v, in params.result_dtype's) by recomputation from q, k, v and the forward's lse,
+    and dsinks (None without sinks).
 
     dout, out: shaped as q; dlse, lse: as forward's lse (dense (batch, nheads, seqlen_q), varlen
     (nheads, total_q)). Rows that see no key (lse = +inf) contribute nothing.
@@ -287,9 +287,7 @@ def backward(
     if not params.varlen:
         dq, dk, dv = _dense_backward(dout, dlse, q, k, v, out, lse, delta, params, first_batch=0)
         return dq, dk, dv, sinks_grad(params, lse, delta)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = (torch.empty(x.shape, dtype=params.result_dtype(x.dtype), device=x.device) for x in (q, k, v))
     for b, (rows_q, rows_k) in enumerate(_sequences(params)):
         dq_b, dk_b, dv_b = _dense_backward(
             dout[None, rows_q], dlse[None, :, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k],
@@ -310,7 +308,7 @@ def _tiled_backward(dout, q, k, v, lse, delta, params: AttentionParams, first_ba
     """Tiled dense backward on batch entries first_batch, first_batch + 1, ... (delta: backward's)."""
     batch, n_q, heads = q.shape[:3]
     n_k, heads_k = k.shape[1], k.shape[2]
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dq = torch.empty(q.shape, dtype=params.result_dtype(q.dtype), device=q.device)
     dk = torch.zeros(batch, heads_k, n_k, k.shape[-1], device=q.device)
     dv = torch.zeros(batch, heads_k, n_k, v.shape[-1], device=q.device)
     block_m = _query_block(params)
@@ -340,7 +338,8 @@ def _tiled_backward(dout, q, k, v, lse, delta, params: AttentionParams, first_ba
             dq_t += torch.matmul(dscores, k_t)
             dk[:, :, n0:n1] += torch.matmul(dscores.transpose(-1, -2), q_t)  # q_t carries the scale
         dq[:, m0:m1] = _ungroup_rows(dq_t * params.softmax_scale, m1 - m0)
-    return dq, dk.to(k.dtype).transpose(1, 2).contiguous(), dv.to(v.dtype).transpose(1, 2).contiguous()
+    dk, dv = (x.to(params.result_dtype(like.dtype)).transpose(1, 2).contiguous() for x, like in ((dk, k), (dv, v)))
+    return dq, dk, dv
 
 
 # The fused path. ATen's kernel takes (batch, nheads, seqlen, headdim) views whose head dim is contiguous and returns
@@ -357,10 +356,11 @@ def fused_serves(q: torch.Tensor, params: AttentionParams) -> bool:
     return q.device.type == "cpu" and params.plain and not params.sparse
 
 
-def _fused_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp16 runs as fp32: without fp16 matrix units (most CPUs) ATen's fp16 kernel converts in its inner loops and is
-    several times slower than its fp32 one, its backward most of all."""
-    return torch.float32 if dtype == torch.float16 else dtype
+def _fused_dtype(dtype: torch.dtype, params: AttentionParams) -> torch.dtype:
+    """The dtype the fused kernel runs in. fp16 runs as fp32: without fp16 matrix units (most CPUs) ATen's fp16
+    kernel converts in its inner loops and is several times slower than its fp32 one, its backward most of all. So do
+    fp32 results: the kernel rounds its outputs to its inputs' dtype."""
+    return torch.float32 if dtype == torch.float16 or params.fp32_results else dtype
 
 
 @dataclass(frozen=True)
@@ -441,16 +441,16 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_ls
     lse.copy_(total)
 
 
-def _as(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """x in like's dtype, contiguous (as the custom ops' fake outputs are)."""
-    return (x if x.dtype == like.dtype else x.to(like.dtype)).contiguous()
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in ``dtype``, contiguous (as the custom ops' fake outputs are)."""
+    return (x if x.dtype == dtype else x.to(dtype)).contiguous()
 
 
 def _fused_forward(q, k, v, params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense forward, a kernel call per piece: out (B, N_Q, H, D) in q's dtype, lse (B, H, N_Q) fp32."""
+    """Dense forward, a kernel call per piece: out (B, N_Q, H, D) in params.result_dtype's, lse (B, H, N_Q) fp32."""
     batch, n_q, heads, head_dim = q.shape
     n_k = k.shape[1]
-    dtype = _fused_dtype(q.dtype)
+    dtype, out_dtype = _fused_dtype(q.dtype, params), params.result_dtype(q.dtype)
     q_t, k_t, v_t = (_fused_input(x, dtype, heads) for x in (q, k, v))
     pieces = _pieces(n_q, n_k, params, dtype)
     parts = [
@@ -468,8 +468,8 @@ def _fused_forward(q, k, v, params: AttentionParams) -> tuple[torch.Tensor, torc
         out, lse = parts[0]
         if params.sinks is not None:
             out, lse = _with_sinks(out.transpose(1, 2), lse, params)
-            return _as(out, q), lse
-        return _as(out.transpose(1, 2), q), lse.contiguous()
+            return _as(out, out_dtype), lse
+        return _as(out.transpose(1, 2), out_dtype), lse.contiguous()
     out = torch.zeros(batch, n_q, heads, head_dim, dtype=torch.float32)
     lse = torch.full((batch, heads, n_q), float("-inf"))
     seen = torch.zeros(n_q, dtype=torch.bool)  # rows that see some key
@@ -483,10 +483,10 @@ def _fused_forward(q, k, v, params: AttentionParams) -> tuple[torch.Tensor, torc
         seen[rows] |= True if piece.seeing is None else piece.seeing
     if params.sinks is None:
         lse[:, :, ~seen] = params.empty_lse
-        return _as(out, q), lse
+        return _as(out, out_dtype), lse
     lse[:, :, ~seen] = float("-inf")  # the kernel's LSE of a row that sees no key is 0
     out, lse = _with_sinks(out, lse, params)
-    return _as(out, q), lse
+    return _as(out, out_dtype), lse
 
 
 def _with_sinks(out: torch.Tensor, lse: torch.Tensor, params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -515,7 +515,7 @@ def _fused_backward(dout, dlse, q, k, v, out, lse, params: AttentionParams):
     """Dense backward, a kernel call per piece as in the forward; dK, dV of a GQA group summed over its heads."""
     batch, n_q, heads, head_dim = q.shape
     n_k, heads_k = k.shape[1], k.shape[2]
-    dtype = _fused_dtype(q.dtype)
+    dtype = _fused_dtype(q.dtype, params)
     tensors = [_fused_input(x, dtype, heads) for x in (q, k, v, out, dout)]
     if dlse.any():
         tensors = _with_lse_grad(*tensors, dlse)
@@ -541,4 +541,4 @@ def _fused_backward(dout, dlse, q, k, v, out, lse, params: AttentionParams):
             dv[:, p.n0 : p.n1] += part_dv
     if heads_k != heads:
         dk, dv = (x.unflatten(2, (heads_k, heads // heads_k)).sum(3) for x in (dk, dv))
-    return _as(dq, q), _as(dk, k), _as(dv, v)
+    return tuple(_as(grad, params.result_dtype(x.dtype)) for grad, x in ((dq, q), (dk, k), (dv, v)))

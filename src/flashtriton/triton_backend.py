@@ -171,9 +171,11 @@ def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperFor
     programs, table, bits = _forward_schedule(batch, common["H"], tiles, units, n, cfg, common, p.varlen, q.device)
     if table is not None:
         recorder.constant("schedule", table)
+    # O staged in shared memory for a TMA store, in q's dtype: fp32 results go out from registers
+    staged = cfg.stage_o and not p.fp32_results
     return _FORWARD_SM90.bind((programs,))(
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
-        _gluon_view(out, cfg.block_m, q.shape[3] // cfg.o_pieces) if cfg.stage_o else None, out,
+        _gluon_view(out, cfg.block_m, q.shape[3] // cfg.o_pieces) if staged else None, out,
         *_strides(out, p.varlen), lse, **common, SINKS=p.sinks, units=units, SCHEDULE=table, m_bits=bits[0],
         h_bits=bits[1], CONSUMERS=cfg.consumers,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_STAGES=cfg.q_stages, STAGES=cfg.stages,
@@ -340,6 +342,8 @@ def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams,
     batch, n, common = _hopper_common(q, k, lse, p, cfg.rows)
     head_dim = q.shape[3]
     cols = head_dim // 2 if cfg.split_d else head_dim  # of dK and dV per warpgroup
+    # dK and dV staged in the K and V tiles for TMA stores, in their dtype: fp32 results go out from registers
+    dk_desc, dv_desc = (None, None) if p.fp32_results else (_gluon_view(x, cfg.block_n, cols) for x in (dk, dv))
     sums_rows = 0 if dq_sums is None else dq_sums.shape[1]
     if dq_sums is not None:  # TMA reductions of D / 2 columns per warpgroup, split_d's in two pieces
         dq_sums = (_sums_view if cfg.split_d else _fragments_view)(dq_sums, cfg.block_m, cols // 2)
@@ -347,9 +351,9 @@ def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams,
     order_heads = min(max(cfg.order_programs // blocks, 1), config.ORDER_HEADS, heads) if common["CAUSAL"] else 1
     return _DKDV_SM90.bind((blocks * heads,))(
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
-        _gluon_view(dout, cfg.block_m), _gluon_view(dk, cfg.block_n, cols), _gluon_view(dv, cfg.block_n, cols),
-        dk, *_strides(dk, p.varlen), dv, *_strides(dv, p.varlen), dq_sums, sums_rows, _gluon_rows(lse, cfg.block_m),
-        _gluon_rows(delta, cfg.block_m), softmax_scale=p.softmax_scale, order_heads=order_heads, **common,
+        _gluon_view(dout, cfg.block_m), dk_desc, dv_desc, dk, *_strides(dk, p.varlen), dv, *_strides(dv, p.varlen),
+        dq_sums, sums_rows, _gluon_rows(lse, cfg.block_m), _gluon_rows(delta, cfg.block_m),
+        softmax_scale=p.softmax_scale, order_heads=order_heads, **common,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
         DQ_LATE=cfg.dq_late, READ_AHEAD=cfg.read_ahead, SPLIT_D=cfg.split_d,
         WORKER_REGISTERS=cfg.dkdv_registers(p.windowed),
@@ -376,9 +380,10 @@ def _hopper_dq(q, k, v, out, dout, lse, dlse, delta, lse_rows, dq, p: AttentionP
     stride_rb, stride_rh = _lse_strides(delta, p.varlen)
     return _DQ_SM90.bind(_heads_grid(cdiv(n, 2 * tiles.block_m), batch, common["H"]))(
         _gluon_view(q, tiles.block_m), _gluon_view(k, tiles.block_n), _gluon_view(v, tiles.block_n),
-        _gluon_view(dout, tiles.block_m), _gluon_view(dq, tiles.block_m), dq, *_strides(dq, p.varlen), lse, delta,
-        lse_rows, out, dlse, *_strides(out, p.varlen), stride_rb=stride_rb, stride_rh=stride_rh,
-        softmax_scale=p.softmax_scale, **common, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, STAGES=tiles.stages,
+        _gluon_view(dout, tiles.block_m), None if p.fp32_results else _gluon_view(dq, tiles.block_m), dq,
+        *_strides(dq, p.varlen), lse, delta, lse_rows, out, dlse, *_strides(out, p.varlen), stride_rb=stride_rb,
+        stride_rh=stride_rh, softmax_scale=p.softmax_scale, **common, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        STAGES=tiles.stages,
     )  # fmt: skip
 
 
@@ -393,14 +398,14 @@ def forward(
         made = plan(q=q, k=k, v=v, sinks=p.sinks)
         return made["out"], made.get("lse")
     recorder = Recorder(q=q, k=k, v=v, sinks=p.sinks)
-    out_dtype = q.dtype
+    out_dtype = p.result_dtype(q.dtype)
     run_dtype = route.run_dtype(q.dtype)
     shape = q.shape
     lse = recorder.empty("lse", lse_shape(q, p.varlen), torch.float32, q.device) if p.write_lse else None
     q, k, v = (_kernel_view(x, run_dtype) for x in (q, k, v))
     batch, n_q, n_k = route.lengths(q, k, p)
     head_dim = q.shape[3]
-    out = recorder.empty("out", q.shape, run_dtype, q.device)
+    out = recorder.empty("out", q.shape, p.result_dtype(run_dtype), q.device)
     cfg = r.config
     if r.family == route.HOPPER:
         if autotune.enabled():
@@ -491,7 +496,7 @@ def _unaligned(rows: torch.Tensor, p: AttentionParams, shape: torch.Size) -> tor
 
 def _gradients(dout, dlse, q, k, v, out, lse, p: AttentionParams, r: route.Route):
     """dQ, dK, dV and delta = rowsum(dO * O) - dLSE: laid out as the LSE, or on the Gluon path in aligned rows."""
-    grad_dtype = q.dtype
+    grad_dtype = p.result_dtype(q.dtype)
     shapes = q.shape, k.shape, v.shape
     key = _plan_key(r)
     plan = _PLANS.get(key)
@@ -519,7 +524,8 @@ def _gradients(dout, dlse, q, k, v, out, lse, p: AttentionParams, r: route.Route
         sums_shape = (q.shape[0], cdiv(q.shape[1], r.config.block_m) * r.config.block_m, *q.shape[2:])
         dq_sums = recorder.empty("dq_sums", sums_shape, torch.float32, q.device)
     # the gradients in their inputs' layouts, as flash_attn's (a model's (B, H, N, D) storage seen as (B, N, H, D))
-    dq, dk, dv = (recorder.empty_like(name, x) for name, x in (("dq", q), ("dk", k), ("dv", v)))
+    grads = ("dq", q), ("dk", k), ("dv", v)
+    dq, dk, dv = (recorder.empty_like(name, x, p.result_dtype(x.dtype)) for name, x in grads)
     if r.dq == route.PAIR:  # dQ's own pass, which also computes delta for the dK/dV kernel after it
         recorder.add(_hopper_dq(q, k, v, out, dout, lse, dlse, delta, lse_rows, dq, p, r.config))
         recorder.add(_hopper_dkdv(q, k, v, dout, lse_rows, delta, dk, dv, None, p, r.config))

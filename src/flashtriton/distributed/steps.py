@@ -27,7 +27,9 @@ Every partial result comes with its LSE (empty rows: -inf, so they weigh nothing
 accumulators. The backward of a step is the kernel's backward given the *merged* out and LSE: then exp(S - LSE)
 is the step's share of the softmax and rowsum(dO * O) the whole row's, so the step's dQ, dK, dV are exactly its
 share of the gradients (and dLSE passes through the same way). dQ adds up in fp32 on its rank; dK, dV add up in
-fp32 accumulators that follow their K/V shard around the ring.
+fp32 accumulators that follow their K/V shard around the ring. The calls return their results in fp32
+(AttentionParams.fp32_results), so out, dQ, dK and dV are rounded to the inputs' dtype once, after the last step,
+not once per step.
 
 The same functions serve a real ring (ring.py) and ``simulate_forward`` / ``simulate_backward``, which run every
 rank's steps in one process in the order a ring runs them, so both give the same bits.
@@ -77,8 +79,11 @@ class Step:
 
 
 def partial_params(softmax_scale: float, deterministic: bool, **varlen) -> AttentionParams:
-    """A step's options: no mask, results that a log-sum-exp merge combines."""
-    return AttentionParams(softmax_scale=softmax_scale, deterministic=deterministic, empty_lse=-math.inf, **varlen)
+    """A step's options: no mask, results that a log-sum-exp merge combines, in fp32 (rounded once, after the
+    merge)."""
+    return AttentionParams(
+        softmax_scale=softmax_scale, deterministic=deterministic, empty_lse=-math.inf, fp32_results=True, **varlen
+    )
 
 
 def dense_steps(world: int, rank: int, seqlen: int, layout: str, causal: bool, params: AttentionParams) -> tuple:
@@ -220,8 +225,7 @@ def first_forward(own: tuple[Step, ...], q: torch.Tensor, kv: torch.Tensor) -> t
     """The rank's own step: the fp32 accumulators (out, lse) it starts (one call of every row and key, or pieces
     merged into empty accumulators)."""
     if len(own) == 1 and own[0].rows == ALL and own[0].queries is None:
-        out, lse = ops.forward(q, kv[0], kv[1], own[0].params)
-        return out.float(), lse
+        return ops.forward(q, kv[0], kv[1], own[0].params)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(lse_shape(q, q.dim() == 3), -math.inf, dtype=torch.float32, device=q.device)
     forward_step(own, q, kv, out, lse)
@@ -261,7 +265,7 @@ def first_backward(own: tuple[Step, ...], dout, dlse, q, kv, out, lse) -> tuple[
         dq, dk, dv, _ = ops.backward(dout, dlse, q, kv[0], kv[1], out, lse, own[0].backward_params)  # no sinks
         dkv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
         dkv[0], dkv[1] = dk, dv
-        return dq.float(), dkv
+        return dq, dkv
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     add_kv_grads(dkv, backward_step(own, dout, dlse, q, kv, out, lse, dq))
@@ -283,7 +287,7 @@ def backward_step(pieces: tuple[Step, ...], dout, dlse, q, kv, out, lse, dq: tor
             _seq(dq, rows).add_(part_dq)
         else:
             for call_rows, local in gather.copies:
-                dq.index_add_(0, local, part_dq.index_select(0, call_rows).to(dq.dtype))
+                dq.index_add_(0, local, part_dq.index_select(0, call_rows))
         shares.append((step, dk, dv))
     return shares
 
@@ -296,8 +300,8 @@ def add_kv_grads(dkv: torch.Tensor, shares: list[tuple]) -> None:
             _seq(dkv[1], step.keys).add_(dv)
             continue
         for call_rows, rows in step.keys_from.copies:
-            dkv[0].index_add_(0, rows, dk.index_select(0, call_rows).to(dkv.dtype))
-            dkv[1].index_add_(0, rows, dv.index_select(0, call_rows).to(dkv.dtype))
+            dkv[0].index_add_(0, rows, dk.index_select(0, call_rows))
+            dkv[1].index_add_(0, rows, dv.index_select(0, call_rows))
 
 
 def simulate_forward(plans: list[tuple], qs: list[torch.Tensor], kvs: list[torch.Tensor]) -> list[tuple]:

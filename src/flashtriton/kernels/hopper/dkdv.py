@@ -133,18 +133,19 @@ def _ragged(p_t, rows, keys, n, RAGGED: gl.constexpr):
 
 
 @gluon.jit
-def _store_keys(desc, outs, which: gl.constexpr, value, smem, coord, rows_left, VARLEN: gl.constexpr,
+def _store_keys(key_descs, outs, which: gl.constexpr, value, smem, coord, rows_left, VARLEN: gl.constexpr,
                 RAGGED: gl.constexpr):  # fmt: skip
-    """dK or dV's tile at coord: through TMA, or from registers where a varlen sequence ends inside it (outs[which]:
-    the tensor and its strides; rows_left: the sequence's rows from coord on)."""
-    if VARLEN and RAGGED and rows_left < value.shape[0]:
+    """dK or dV's tile at coord: through TMA (key_descs[which], staged in smem), or from registers where there are
+    no key_descs (fp32 results) or a varlen sequence ends inside it (outs[which]: the tensor and its strides;
+    rows_left: the sequence's rows from coord on)."""
+    if len(key_descs) == 0 or (VARLEN and RAGGED and rows_left < value.shape[0]):
         store_rows(outs[which][0], outs[which][1], coord, value, rows_left)
     else:
-        store(desc, value, smem, coord)
+        store(key_descs[which], value, smem, coord)
 
 
 @gluon.jit
-def _dkdv_consumer(dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_at, outs, n0, n, first_query, sums_row,
+def _dkdv_consumer(key_descs, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_at, outs, n0, n, first_query, sums_row,
                    q_col, n_steps, GROUP, qk_scale, softmax_scale, window_left, W: gl.constexpr, FUSED: gl.constexpr,
                    DQ_LATE: gl.constexpr, READ_AHEAD: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                    VARLEN: gl.constexpr, RAGGED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -152,8 +153,8 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_
     """Warpgroup W's BLOCK_N keys (n0 + W * BLOCK_N on in the sequence of n; kv_at: the program's parked (batch,
     first key row, K/V head) coordinate in the descriptors):
     for each query tile of the ring ``steps``, S^T = K Q^T and dP^T = V dO^T (both from shared memory), then
-    dV += P^T dO and dK += dS^T Q with P^T and dS^T from registers. outs: ((dK, strides), (dV, strides)) for
-    _store_keys; sums_row, q_col: the first query tile's coordinate in the dQ sums.
+    dV += P^T dO and dK += dS^T Q with P^T and dS^T from registers. key_descs, outs: _store_keys'; sums_row, q_col:
+    the first query tile's coordinate in the dQ sums.
 
     FUSED, with dq_sums = (dq_desc, ds_bufs, ds_ready, dq_bufs): also dQ += dS K for the tile, added into
     dq_desc's fp32 rows by TMA reductions. Both warpgroups put their dS^T in shared memory (ds_bufs: [parity]
@@ -248,8 +249,8 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_
         mbarrier.wait(ds_ready.index((n_all + 1) % 2), ((n_all + 1) // 2) & 1)
     bc, row, hk = unpark(kv_at, CONSUMER_WARPS)
     coord = [bc, row + W * BLOCK_N, hk, 0]
-    _store_keys(dk_desc, outs, 0, dk * softmax_scale, k_smem, coord, n - first_key, VARLEN, RAGGED)
-    _store_keys(dv_desc, outs, 1, dv, v_smem, coord, n - first_key, VARLEN, RAGGED)
+    _store_keys(key_descs, outs, 0, dk * softmax_scale, k_smem, coord, n - first_key, VARLEN, RAGGED)
+    _store_keys(key_descs, outs, 1, dv, v_smem, coord, n - first_key, VARLEN, RAGGED)
 
 
 @gluon.jit
@@ -263,7 +264,7 @@ def _exchange(bars, it):
 
 
 @gluon.jit
-def _dkdv_split_consumer(dk_desc, dv_desc, dq_desc, k_smem, v_smem, steps, pt_bufs, dst_bufs, p_ready, ds_ready,
+def _dkdv_split_consumer(key_descs, dq_desc, k_smem, v_smem, steps, pt_bufs, dst_bufs, p_ready, ds_ready,
                          kv_bar, kv_at, outs, first_key, n, first_query, sums_row, q_col, n_steps, GROUP, qk_scale,
                          softmax_scale, window_left, W: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                          VARLEN: gl.constexpr, RAGGED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -339,8 +340,8 @@ def _dkdv_split_consumer(dk_desc, dv_desc, dq_desc, k_smem, v_smem, steps, pt_bu
     _exchange(p_ready, GROUP * n_steps)
     bc, row, hk = unpark(kv_at, CONSUMER_WARPS)
     coord = [bc, row, hk, W * DH]
-    _store_keys(dk_desc, outs, 0, dk * softmax_scale, k_cols, coord, n - first_key, VARLEN, RAGGED)
-    _store_keys(dv_desc, outs, 1, dv, v_smem.slice(W * DH, DH, dim=1), coord, n - first_key, VARLEN, RAGGED)
+    _store_keys(key_descs, outs, 0, dk * softmax_scale, k_cols, coord, n - first_key, VARLEN, RAGGED)
+    _store_keys(key_descs, outs, 1, dv, v_smem.slice(W * DH, DH, dim=1), coord, n - first_key, VARLEN, RAGGED)
 
 
 @gluon.jit
@@ -357,11 +358,12 @@ def attention_backward_dkdv_sm90_kernel(
     and DELTA in their aligned rows (strides stride_lb, stride_lh; primitives.rows_start) as flat vectors, in blocks
     of BLOCK_M entries. The warpgroups take BLOCK_N keys each (KEYS = 2 * BLOCK_N)
     or, SPLIT_D, the same KEYS = BLOCK_N keys and half of D's columns each (_dkdv_split_consumer). k/v_desc: blocks
-    of BLOCK_N x D; dk/dv_desc: of BLOCK_N x D, or D / 2 when SPLIT_D. dq_desc: None, or the fp32 sums to which these
-    keys' dQ shares are added (TMA reductions), sums_rows rows per batch: laid out as _dq_add says, or, SPLIT_D,
-    (B * sums_rows, H * D) in blocks of BLOCK_M x D / 4. DK, DV: dK and dV again, with their strides, for the
-    register stores of a varlen sequence's last keys (_store_keys). WORKER_REGISTERS: the worker consumer
-    warpgroup's (setmaxnreg)."""
+    of BLOCK_N x D; dk/dv_desc: of BLOCK_N x D, or D / 2 when SPLIT_D, or both None: dK and dV stored from registers
+    (fp32 results, for which the K and V tiles that stage a TMA store have no room). dq_desc: None, or the fp32 sums
+    to which these keys' dQ shares are added (TMA reductions), sums_rows rows per batch: laid out as _dq_add says,
+    or, SPLIT_D, (B * sums_rows, H * D) in blocks of BLOCK_M x D / 4. DK, DV: dK and dV again, with their strides,
+    for the register stores of a varlen sequence's last keys or of fp32 results (_store_keys). WORKER_REGISTERS: the
+    worker consumer warpgroup's (setmaxnreg)."""
     KEYS: gl.constexpr = BLOCK_N if SPLIT_D else 2 * BLOCK_N
     # programs in groups of order_heads K/V heads, each group's key blocks in order: its first blocks (causal: the
     # longest) before the next
@@ -381,8 +383,11 @@ def attention_backward_dkdv_sm90_kernel(
             return
     kv = [bc, seq0 + n0, hk, 0]
     outs = ()  # (only where _store_keys stores from registers: registers the consumers need otherwise)
-    if VARLEN and RAGGED:
+    if (VARLEN and RAGGED) or dk_desc is None:
         outs = ((DK, (stride_dkb, stride_dkm, stride_dkh)), (DV, (stride_dvb, stride_dvm, stride_dvh)))
+    key_descs = ()  # (a worker partition's arguments cannot be None)
+    if dk_desc is not None:
+        key_descs = (dk_desc, dv_desc)
 
     q_bufs = tiles(q_desc, STAGES)
     do_bufs = tiles(do_desc, STAGES)
@@ -426,11 +431,11 @@ def attention_backward_dkdv_sm90_kernel(
         ds_ready = barriers(2, 2)
         gl.warp_specialize(
             [
-                (_dkdv_split_consumer, (dk_desc, dv_desc, dq_desc, k_bufs.index(0), v_bufs.index(0), steps, pt_bufs,
+                (_dkdv_split_consumer, (key_descs, dq_desc, k_bufs.index(0), v_bufs.index(0), steps, pt_bufs,
                                         dst_bufs, p_ready, ds_ready, kv_bar, kv_at, outs, n0, N, first_query,
                                         sums_row, h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left, 0,
                                         CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D)),
-                (_dkdv_split_consumer, (dk_desc, dv_desc, dq_desc, k_bufs.index(0), v_bufs.index(0), steps, pt_bufs,
+                (_dkdv_split_consumer, (key_descs, dq_desc, k_bufs.index(0), v_bufs.index(0), steps, pt_bufs,
                                         dst_bufs, p_ready, ds_ready, kv_bar, kv_at, outs, n0, N, first_query,
                                         sums_row, h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left, 1,
                                         CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D)),
@@ -442,10 +447,10 @@ def attention_backward_dkdv_sm90_kernel(
     else:
         gl.warp_specialize(
             [
-                (_dkdv_consumer, (dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_at, outs, n0, N,
+                (_dkdv_consumer, (key_descs, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_at, outs, n0, N,
                                   first_query, sums_row, h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left,
                                   0, FUSED, DQ_LATE, READ_AHEAD, CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D)),
-                (_dkdv_consumer, (dk_desc, dv_desc, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_at, outs, n0, N,
+                (_dkdv_consumer, (key_descs, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_at, outs, n0, N,
                                   first_query, sums_row, h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left,
                                   1, FUSED, DQ_LATE, READ_AHEAD, CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D)),
                 (_dkdv_producer, producer),

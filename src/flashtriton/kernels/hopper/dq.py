@@ -65,8 +65,9 @@ def _dq_consumer(dq_out, q_smem, do_smem, kv_ring, q_bar, lse_ptr, rows_ptrs, o_
     """One warpgroup's BLOCK_M query rows (those below the sequence's n): first delta = rowsum(dO * O) - dLSE (the
     portable path's preprocess kernel), stored for the dK/dV kernel with a copy of the LSE in its aligned rows
     (rows_ptrs: (DELTA, LSE_ROWS) there), then for each streamed key tile S = Q K^T and
-    dP = dO V^T (from shared memory), and dQ += dS K with dS from registers. dq_out: (dQ's descriptor, dQ, its
-    strides), dQ written through the descriptor, or from registers where a varlen sequence ends inside the rows."""
+    dP = dO V^T (from shared memory), and dQ += dS K with dS from registers. dq_out: ((dQ's descriptor,) or () for
+    none, dQ, its strides), dQ written through the descriptor, or from registers where there is none (fp32 results)
+    or a varlen sequence ends inside the rows."""
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(D)
     a_layout: gl.constexpr = operand_layout(D)
@@ -110,11 +111,11 @@ def _dq_consumer(dq_out, q_smem, do_smem, kv_ring, q_bar, lse_ptr, rows_ptrs, o_
         dq = warpgroup_mma_wait(0, deps=(dq, k))[0]
         give(kv_ring, j)
 
-    dq_desc, DQ, dq_strides = dq_out
-    if VARLEN and RAGGED and first_row + BLOCK_M > n:
+    dq_store, DQ, dq_strides = dq_out
+    if len(dq_store) == 0 or (VARLEN and RAGGED and first_row + BLOCK_M > n):
         store_rows(DQ, dq_strides, coord, dq * softmax_scale, n - first_row)
     else:
-        store(dq_desc, dq * softmax_scale, q_smem, coord)
+        store(dq_store[0], dq * softmax_scale, q_smem, coord)
 
 
 @gluon.jit
@@ -127,7 +128,8 @@ def attention_backward_dq_sm90_kernel(
 ):  # fmt: skip
     """Grid (cdiv(N, 2 * BLOCK_M), B * H): dQ (and delta) of 2 * BLOCK_M query rows, laid out as the forward's
     program, K/V tiles through a ring of STAGES slots; O: the forward's output and DQ, (B, N, H, D) with the strides
-    given (dQ also through dq_desc). LSE, DLSE: strides stride_lb, stride_lh; DELTA and LSE_ROWS (LSE's copy): the
+    given (dQ also through dq_desc, or where that is None from registers alone: fp32 results, for which the Q tile
+    that stages a TMA store has no room). LSE, DLSE: strides stride_lb, stride_lh; DELTA and LSE_ROWS (LSE's copy): the
     aligned rows that the dK/dV kernel reads (stride_rb, stride_rh; primitives.rows_start)."""
     pid_bh = head_program()
     b = pid_bh // H
@@ -148,7 +150,10 @@ def attention_backward_dq_sm90_kernel(
     row = b * stride_lb + h * stride_lh + lse0 + m0  # of LSE and DLSE
     out_row = b * stride_rb + h * stride_rh + rows_start(CU_SEQLENS, b, VARLEN) + m0  # of DELTA and LSE_ROWS
     o = O + bc.to(gl.int64) * stride_ob + (seq0 + m0).to(gl.int64) * stride_om + h.to(gl.int64) * stride_oh
-    dq_out = (dq_desc, DQ, (stride_dqb, stride_dqm, stride_dqh))
+    dq_store = ()  # (a worker partition's arguments cannot be None)
+    if dq_desc is not None:
+        dq_store = (dq_desc,)
+    dq_out = (dq_store, DQ, (stride_dqb, stride_dqm, stride_dqh))
     gl.warp_specialize(
         [
             (_dq_consumer, (dq_out, q_bufs.index(0), do_bufs.index(0), kv_ring, q_bar, LSE + row,
