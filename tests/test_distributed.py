@@ -9,6 +9,9 @@ of CASES in its processes (distributed_worker.py) and names the case in each ass
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -326,3 +329,8 @@ def test_the_ring_bench_in_one_process_measures_world_1_and_says_how_to_scale(tm
     assert all(r["tflops_per_gpu"] > 0 and r["efficiency"] == 1.0 for r in rings)
     # every case's row in the printed table (the CPU's tiny cases here, the GPU's real ones on CUDA)
     assert all(case.name in captured.out for case in ring_bench.cases(torch.cuda.is_available(), 1))
+    # benchmarks/ring_report.py: a row per result in the table it writes beside the JSON
+    report = Path(__file__).parents[1] / "benchmarks" / "ring_report.py"
+    subprocess.run([sys.executable, str(report), str(tmp_path / "results.json")], check=True, capture_output=True)
+    rows = [line for line in (tmp_path / "README.md").read_text().splitlines() if line.startswith("| ")][1:]
+    assert len(rows) == len(payload["results"]) and all("100.0%" in row for row in rows if "| ring |" in row)

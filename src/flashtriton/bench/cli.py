@@ -264,8 +264,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(fwd and fwd+bwd with fresh gradients); decode: flash_attn_with_kvcache reading contiguous and paged caches "
         "(bandwidth, device and host time per call) against cuDNN SDPA, SDPA's FlashAttention-2 and FlexAttention "
         f"(about {decode.PARTS} parts of under 10 minutes on a GPU); ring: context parallelism's weak scaling under "
-        "torchrun (flashtriton.bench.ring). users, decode and ring: no plot; the shape flags below are the paper "
-        "sweep's",
+        "torchrun (flashtriton.bench.ring). users, decode and ring: no plot here (benchmarks/decode_report.py and "
+        "ring_report.py draw decode's and ring's from results.json); the shape flags below are the paper sweep's",
     )
     parser.add_argument(
         "--quick",
