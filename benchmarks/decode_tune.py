@@ -34,13 +34,15 @@ _forced: dict[str, tuple] = {}
 _table_config = config.decode_config
 
 
-def _config(arch, head_dim, dtype, rows, pairs, capacity, sms, num_splits) -> config.DecodeConfig:
-    """The table's config, or the forced one (its block_m kept)."""
-    chosen = _table_config(arch, head_dim, dtype, rows, pairs, capacity, sms, num_splits)
+def _config(arch, head_dim, dtype, rows, pairs, capacity, sms, num_splits, page_size=0) -> config.DecodeConfig:
+    """The table's config, or the forced one (its block_m kept; pages read by tile as the library would)."""
+    chosen = _table_config(arch, head_dim, dtype, rows, pairs, capacity, sms, num_splits, page_size)
     if not _forced:
         return chosen
     block_n, warps, stages, splits = _forced["config"]
-    return config.DecodeConfig(chosen.block_m, block_n, warps, stages, max(1, min(splits, -(-capacity // block_n))))
+    splits = max(1, min(splits, -(-capacity // block_n)))
+    by_tile = config.tile_pages(arch, block_n, capacity, page_size)
+    return config.DecodeConfig(chosen.block_m, block_n, warps, stages, splits, by_tile)
 
 
 def _force(value: tuple | None) -> None:

@@ -64,6 +64,8 @@ def plot(payload: dict, path: Path) -> None:
     columns = max(len(row) for row in rows)
     fig, axes = plt.subplots(len(rows), columns, figsize=(3.6 * columns, 3.2 * len(rows)), sharey=True, squeeze=False)
     for ax_row, row in zip(axes, rows, strict=True):
+        for ax in ax_row[len(row) :]:  # a row with fewer series than the other
+            ax.set_visible(False)
         for ax, group in zip(ax_row, row, strict=False):
             for provider, label in NAMES.items():
                 points = sorted(
@@ -92,9 +94,9 @@ def main() -> None:
     payload = json.loads(path.read_text())
     env = payload["environment"]
     note = (
-        f"{env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, world {payload['world']}, commit "
-        f"{str(env.get('commit'))[:7]}. ms: median fwd+bwd per call of the slowest rank, providers' calls in turn; "
-        "efficiency: per-GPU TFLOP/s against the ring on one GPU at the same tokens per GPU."
+        f"{env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, world {payload['world']}, source "
+        f"{str(env.get('commit', env.get('source_digest')))[:7]}. ms: median fwd+bwd per call of the slowest rank, "
+        "providers' calls in turn; efficiency: per-GPU TFLOP/s against the ring on one GPU at the same tokens per GPU."
     )
     (path.parent / "README.md").write_text(f"# Ring suite\n\n{note}\n\n{table(payload)}\n")
     if importlib.util.find_spec("matplotlib") is None:

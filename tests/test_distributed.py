@@ -172,8 +172,9 @@ def _one_call(case: Case, x: dict) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("backend,case", target_params(RING_ERROR), indirect=["backend"])
 def test_a_bf16_ring_is_as_accurate_as_one_call(backend, case):
     """The ring's out, dq, dk, dv against the fp64 reference: at most 1.1 x the error of one call on the whole
-    sequence (plus a floor of a few fp32 ulps). Each step's results come in fp32 and are rounded once, after the
-    merge: rounded per step, a ring of 4 or 8 ranks had up to 1.5 x (CPU) and 2 x (H200) one call's error."""
+    sequence (plus a floor of a few fp32 ulps): each step's results come in fp32 and are rounded once, after the
+    merge. (On the CPU path the steps also compute in fp32; the interpreter and GPU targets compute as one call
+    does, so they isolate the merge.)"""
     for world in RING_ERROR_WORLDS[backend.size]:
         x = {name: t.to(backend.device) for name, t in full_inputs(case, world, seed=world).items()}
         shards = simulate(case, x, world)
@@ -189,7 +190,7 @@ def test_a_bf16_ring_is_as_accurate_as_one_call(backend, case):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_without_a_process_group_the_ring_is_flash_attn_func(dtype):
+def test_without_a_process_group_the_ring_is_one_flash_attn_func_call(dtype):
     """One call on the whole shard. Its results come in fp32 (AttentionParams.fp32_results), which the PyTorch path
     computes in fp32: in bf16 they are flash_attn_func's on the inputs in fp32, rounded once (the gradients to bf16's
     precision: the backward takes the rounded out)."""

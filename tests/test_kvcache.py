@@ -78,6 +78,10 @@ def _cases(tiny: bool) -> list[Case]:
             n_q=2,
             options=dict(window_size=(21, 0)),
         ),
+        # by tile too: rows appended past the capacity (dropped), and a table with no pages at all
+        "paged-32-past-capacity": replace(
+            base, page_size=32, capacity=64, seqlens=(63, 5), n_new=3, n_q=2, options=dict(causal=True)
+        ),
         "paged-256-leftpad": replace(
             base, page_size=256, capacity=768, leftpad=(100, 7), seqlens=(400, 300), n_new=4, n_q=1, heads_k=1
         ),
@@ -468,6 +472,12 @@ ERRORS = {
         "one per sequence",
     ),
     "seqlens-float": (lambda q, kc, vc: (q, kc, vc), {"cache_seqlens": 2.0}, TypeError, "an int or"),
+    "block-table-empty": (
+        lambda q, kc, vc: (q, kc, vc),
+        {"block_table": torch.zeros(2, 0, dtype=torch.int32), "cache_seqlens": 0},
+        ValueError,
+        "lists no pages",
+    ),
     "block-table-int64": (
         lambda q, kc, vc: (q, kc, vc),
         {"block_table": torch.zeros(2, 2, dtype=torch.long)},

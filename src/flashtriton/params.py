@@ -31,7 +31,7 @@ bottom-right as in flash_attn):
               merge combines by log-sum-exp (an empty part then weighs nothing). With a finite sink the row is not
               empty: O = 0 and LSE = sinks[h] (the sink alone)
   fp32_results  out (forward) and dq, dk, dv (backward) in fp32 instead of the inputs' dtype: partial results that
-              a split or ring merge adds up, rounded once at the end instead of once per part
+              a ring merge adds up (distributed/steps.py), rounded once at the end instead of once per part
 """
 
 from __future__ import annotations

@@ -328,11 +328,11 @@ def _sparse_block(size: int, mask: BlockMask | None, axis: int) -> int:
 
 def _tuning_key(p: AttentionParams, head_dim: int, dtype: torch.dtype, span: int, with_lse: bool) -> tuple:
     """What a tuned config is chosen for beside the kernel family and the GPU (autotune.choose): the head dim, the
-    dtype, the span's bucket, the features on, and whether the LSE is written (an inference call's kernel writes
-    none, and its best config may differ)."""
+    dtype, the span's bucket, the features on, whether the LSE is written (an inference call's kernel writes none,
+    and its best config may differ) and whether the results are fp32 (stored from registers on Hopper)."""
     _, flags = _features(p, 0)  # the flags alone
     features = tuple(name for name, on in sorted(flags.items()) if on and not name.startswith("SPARSE_BLOCK"))
-    written = () if with_lse else ("no lse",)
+    written = (() if with_lse else ("no lse",)) + (("fp32 results",) if p.fp32_results else ())
     return head_dim, str(dtype).removeprefix("torch."), autotune.span_bucket(span), *features, *written
 
 

@@ -344,6 +344,8 @@ def check_kvcache(
             raise ValueError(f"block_table has {block_table.shape[0]} rows, q has batch {q.shape[0]}: one per sequence")
         if k_cache.shape[1] == 0:
             raise ValueError("k_cache has pages of 0 rows: pass (num_blocks, page_size >= 1, nheads_k, headdim)")
+        if block_table.shape[1] == 0:
+            raise ValueError("block_table lists no pages: pass (batch, max_blocks_per_sequence >= 1)")
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx does not combine with block_table: list each sequence's pages in its row")
         capacity = block_table.shape[1] * k_cache.shape[1]

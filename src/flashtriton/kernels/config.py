@@ -465,6 +465,12 @@ def decode_config(
     block_m = min(max(MIN_BLOCK, next_power_of_2(rows)), DECODE_MAX_BLOCK_M)
     tiles = max(1, -(-capacity // block_n))
     splits = num_splits or decode_splits(pairs * -(-rows // block_m), capacity, sms)
-    long_cache = capacity >= DECODE_TILE_PAGES_MIN_CAPACITY or arch == "interpreter"
-    tile_pages = page_size >= block_n and long_cache
-    return DecodeConfig(block_m, block_n, warps, stages, min(splits, tiles), tile_pages)
+    by_tile = tile_pages(arch, block_n, capacity, page_size)
+    return DecodeConfig(block_m, block_n, warps, stages, min(splits, tiles), by_tile)
+
+
+def tile_pages(arch: str, block_n: int, capacity: int, page_size: int) -> bool:
+    """Whether the decode kernels read a tile's pages by tile (DecodeConfig.tile_pages): pages of a whole tile, in a
+    cache long enough that it pays (the interpreter: any non-empty cache, so that CI runs the path)."""
+    long_cache = capacity >= DECODE_TILE_PAGES_MIN_CAPACITY or (arch == "interpreter" and capacity > 0)
+    return page_size >= block_n and long_cache

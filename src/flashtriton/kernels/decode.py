@@ -92,6 +92,7 @@ def cache_slots(first, rows, b, cache_b, row_ok, BLOCK_TABLE, stride_tb, PAGE_SI
     if BLOCK_TABLE is not None:
         table = BLOCK_TABLE + b * stride_tb
         if TILE_PAGES:
+            tl.static_assert(rows.shape[0] <= PAGE_SIZE, "TILE_PAGES: pages of a tile or more")
             # entries clamped to the table: rows outside the capacity are masked anyway (cache_seqlens are unchecked)
             last = CAPACITY // PAGE_SIZE - 1
             at = first // PAGE_SIZE
