@@ -97,8 +97,7 @@ def cache_slots(first, rows, b, cache_b, row_ok, BLOCK_TABLE, stride_tb, PAGE_SI
             last = CAPACITY // PAGE_SIZE - 1
             at = first // PAGE_SIZE
             first_page = tl.load(table + tl.minimum(tl.maximum(at, 0), last))
-            crosses = first % PAGE_SIZE + rows.shape[0] > PAGE_SIZE  # else the next entry is not read
-            next_page = tl.load(table + tl.minimum(tl.maximum(at + 1, 0), last), mask=crosses, other=0)
+            next_page = tl.load(table + tl.minimum(tl.maximum(at + 1, 0), last))
             page = tl.where(rows < (at + 1) * PAGE_SIZE, first_page, next_page)
         else:
             page = tl.load(table + rows // PAGE_SIZE, mask=row_ok, other=0)
