@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from flashtriton import flash_attn_func, flash_attn_varlen_func, route, triton_backend
+from flashtriton.kernels import config
 from flashtriton.params import AttentionParams
 from flashtriton.validation import host_read
 from helpers import assert_close_to_reference, hopper, reference_outputs
@@ -41,7 +42,9 @@ def test_strided_tma_fits():
     assert route.strided_tma_fits(x.transpose(1, 2).contiguous().transpose(1, 2))  # the model's layout
     assert route.strided_tma_fits(torch.zeros(2, 6, 3, 4, 64, dtype=torch.bfloat16)[:, :, 1])  # packed qkv
     assert route.strided_tma_fits(x[:, :, :, :32])  # a head's columns: strides stay 16-byte multiples
-    assert not route.strided_tma_fits(torch.zeros(2, 4, 6, 48, dtype=torch.bfloat16))  # D not a power of two
+    assert route.strided_tma_fits(torch.zeros(2, 4, 6, 80, dtype=torch.bfloat16))  # 160-byte heads: 128-wide tiles
+    assert not route.strided_tma_fits(torch.zeros(2, 4, 6, 44, dtype=torch.bfloat16))  # 88-byte heads
+    assert not route.strided_tma_fits(torch.zeros(2, 4, 6, 264, dtype=torch.bfloat16))  # wider than any tile
     assert not route.strided_tma_fits(torch.zeros(2, 4, 6, 65, dtype=torch.bfloat16)[..., :64])  # 130-byte heads
     assert not route.strided_tma_fits(torch.zeros(2 * 4 * 6 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 4, 6, 64))
 
@@ -57,6 +60,18 @@ def test_routes_take_the_gluon_kernels(layout, n):
     assert (backward.family, backward.dq) == (route.HOPPER, route.FUSED if n == 4096 else route.PAIR)
     deterministic = AttentionParams(128**-0.5, deterministic=True)
     assert route.backward(q, None, q, k, v, q, None, deterministic, gpu="sm90").dq == route.PAIR
+
+
+@pytest.mark.parametrize("head_dim,width", [(32, None), (40, 64), (80, 128), (96, 128), (136, 256), (192, 256)])
+def test_head_dims_between_widths_take_the_next(head_dim, width):
+    """A head dim between the Gluon kernels' widths runs in tiles of the next (at or below 32: the portable kernels,
+    which are faster there)."""
+    q = torch.zeros(2, 1000, 4, head_dim, dtype=torch.bfloat16)
+    params = AttentionParams(head_dim**-0.5, window_right=0)
+    assert config.hopper_width(head_dim) == width
+    family = route.HOPPER if width else route.PORTABLE
+    assert route.forward(q, q, q, params, gpu="sm90").family == family
+    assert route.backward(q, None, q, q, q, q, None, params, gpu="sm90").family == family
 
 
 def _varlen_params(starts: list[int]) -> AttentionParams:
@@ -107,6 +122,12 @@ CASES = [  # (n, head dim, mode): lengths that end inside a tile, and a whole on
     (4100, 128, "dense"),  # the D=128 fused backward (spans of 2048 and more) on a length that ends inside a tile
     (17, 64, "causal"),  # shorter than one tile
     (113, 128, "dense"),
+    # head dims between the kernels' widths, in tiles of the next width (the fused backward from 2048 keys at 128)
+    (1000, 80, "causal"),
+    (4100, 80, "dense"),
+    (3000, 96, "causal"),
+    (777, 192, "dense"),
+    (1000, 48, "window"),
 ]
 
 
@@ -131,18 +152,20 @@ def test_gluon_kernels_on_users_shapes(n, head_dim, mode, layout, deterministic,
         grads = [g.transpose(1, 2) for g in grads] if layout == "model" else grads
     _check(f"{layout} n={n}", (out, lse, *grads), q, k, v, dout, dlse, causal, window)
     assert calls[0] == "_hopper_forward"
-    gluon_backward = not (deterministic and head_dim == 256)  # D=256 has no Gluon dQ kernel
+    gluon_backward = not (deterministic and config.hopper_width(head_dim) == 256)  # no Gluon dQ kernel 256 wide
     assert ("_hopper_dkdv" in calls) == gluon_backward
 
 
 @hopper
+@pytest.mark.parametrize("head_dim", [128, 80])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
-def test_gluon_kernels_on_ragged_documents(causal, deterministic, monkeypatch):
+def test_gluon_kernels_on_ragged_documents(causal, deterministic, head_dim, monkeypatch):
     calls = _spy(monkeypatch)
     starts = [0, 1000, 1129, 4000, 4001, 6144]
     cu = torch.tensor(starts, dtype=torch.int32, device="cuda")
-    q, k, v = (torch.randn(starts[-1], h, 128, device="cuda", dtype=torch.bfloat16).requires_grad_() for h in (8, 2, 2))
+    shapes = [(starts[-1], h, head_dim) for h in (8, 2, 2)]
+    q, k, v = (torch.randn(s, device="cuda", dtype=torch.bfloat16).requires_grad_() for s in shapes)
     out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, 2871, 2871, causal=causal, deterministic=deterministic,
                                          return_attn_probs=True)  # fmt: skip
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)

@@ -130,23 +130,17 @@ def tma_fits(x: torch.Tensor, block_d: int) -> bool:
 
 def strided_tma_fits(x: torch.Tensor) -> bool:
     """A (B, N, H, D) tensor, as the kernels see it (a copy if its last stride is not 1), reads through a rank-4 TMA
-    descriptor of its own strides (the Gluon kernels'): D a power of two up to 256, base and strides 16-byte
-    aligned and not 0 (a dim of size 1 has no stride that matters)."""
-    if x.stride(-1) != 1:
-        return _power_of_two(x.shape[-1])  # the kernels read a contiguous copy
+    descriptor of its own strides (the Gluon kernels'): D up to 256 in rows of 16-byte multiples, base and strides
+    16-byte aligned and not 0 (a dim of size 1 has no stride that matters)."""
     size = x.element_size()
-    return (
-        _power_of_two(x.shape[-1])
-        and x.data_ptr() % 16 == 0
-        and all(
-            n == 1 or (stride > 0 and stride * size % 16 == 0)
-            for n, stride in zip(x.shape[:-1], x.stride()[:-1], strict=True)
-        )
+    if not (x.shape[-1] <= 256 and x.shape[-1] * size % 16 == 0):
+        return False
+    if x.stride(-1) != 1:
+        return True  # the kernels read a contiguous copy
+    return x.data_ptr() % 16 == 0 and all(
+        n == 1 or (stride > 0 and stride * size % 16 == 0)
+        for n, stride in zip(x.shape[:-1], x.stride()[:-1], strict=True)
     )
-
-
-def _power_of_two(d: int) -> bool:
-    return 8 <= d <= 256 and d & (d - 1) == 0
 
 
 def _cu_seqlens(p: AttentionParams) -> list[int] | None:
@@ -270,8 +264,12 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionPara
         return call
     gpu, dtype, head_dim, span = call.gpu, call.dtype, call.head_dim, call.span
     cfg = config.hopper_forward_config(gpu, head_dim, dtype, banded=p.windowed, span=span)
-    # a varlen sequence that ends inside a tile has its last rows of O stored from registers: at D=256 they spill
-    if cfg is not None and hopper_fits(p, q, k, v) and (head_dim <= 128 or whole_sequences(p, 0, cfg.rows)):
+    # a varlen sequence that ends inside a tile has its last rows of O stored from registers: 256 wide they spill
+    if (
+        cfg is not None
+        and hopper_fits(p, q, k, v)
+        and (config.hopper_width(head_dim) <= 128 or whole_sequences(p, 0, cfg.rows))
+    ):
         return Route(HOPPER, cfg)
     return Route(PORTABLE, config.forward_config(gpu, head_dim, dtype, span, p.plain))
 

@@ -93,9 +93,10 @@ def _shared_layout(rows: int, cols: int, dtype: torch.dtype, rank: int = 2) -> g
 
 def _gluon_view(x: torch.Tensor, rows: int, cols: int | None = None) -> Descriptor:
     """A (B, N, H, D) tensor as the Gluon kernels read and write it: a rank-4 descriptor of its own strides (route.
-    strided_tma_fits), blocks of [1, rows, 1, cols] (default: one head's D columns)."""
+    strided_tma_fits), blocks of [1, rows, 1, cols] (default: the kernels' width, config.hopper_width, which TMA
+    fills past D with zeros and whose columns past D it does not store)."""
     batch, n, heads, d = x.shape
-    cols = cols or d
+    cols = cols or config.hopper_width(d)
     # a dim of size 1 may have any stride (route.strided_tma_fits ignores it): the descriptor gets a legal one
     head = x.stride(2) if heads > 1 else d
     row = x.stride(1) if n > 1 else heads * head
@@ -138,7 +139,7 @@ def _hopper_common(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, p: Atten
         stride_lb=stride_lb, stride_lh=stride_lh, N=n, H=q.shape[2], GROUP=q.shape[2] // k.shape[2],
         qk_scale=p.softmax_scale * LOG2E, window_left=window_bound(p.window_left, 2 * n), CU_SEQLENS=p.cu_seqlens_q,
         CAUSAL=p.diagonal, LEFT=p.left_bounded, VARLEN=p.varlen, RAGGED=not route.whole_sequences(p, n, rows),
-        D=q.shape[3], num_warps=config.HOPPER_NUM_WARPS,
+        D=config.hopper_width(q.shape[3]), HEAD_D=q.shape[3], num_warps=config.HOPPER_NUM_WARPS,
     )  # fmt: skip
 
 
@@ -175,7 +176,7 @@ def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperFor
     staged = cfg.stage_o and not p.fp32_results
     return _FORWARD_SM90.bind((programs,))(
         _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
-        _gluon_view(out, cfg.block_m, q.shape[3] // cfg.o_pieces) if staged else None, out,
+        _gluon_view(out, cfg.block_m, common["D"] // cfg.o_pieces) if staged else None, out,
         *_strides(out, p.varlen), lse, **common, SINKS=p.sinks, units=units, SCHEDULE=table, m_bits=bits[0],
         h_bits=bits[1], CONSUMERS=cfg.consumers,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_STAGES=cfg.q_stages, STAGES=cfg.stages,
@@ -340,8 +341,7 @@ def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams,
     """dK, dV and, when dq_sums (fp32, (B, whole tiles of rows, H, D), zeroed) is given, dQ added into it by TMA
     reductions; lse and delta in aligned rows (_aligned_rows)."""
     batch, n, common = _hopper_common(q, k, lse, p, cfg.rows)
-    head_dim = q.shape[3]
-    cols = head_dim // 2 if cfg.split_d else head_dim  # of dK and dV per warpgroup
+    cols = common["D"] // 2 if cfg.split_d else common["D"]  # of dK and dV per warpgroup
     # dK and dV staged in the K and V tiles for TMA stores, in their dtype: fp32 results go out from registers
     dk_desc, dv_desc = (None, None) if p.fp32_results else (_gluon_view(x, cfg.block_n, cols) for x in (dk, dv))
     sums_rows = 0 if dq_sums is None else dq_sums.shape[1]
@@ -361,13 +361,14 @@ def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams,
 
 
 def _dq_convert(sums: torch.Tensor, dq: torch.Tensor, cfg: config.HopperBackwardConfig):
-    """dQ in its dtype and layout from the fused kernel's fp32 sums, laid out as _hopper_dkdv's reductions left
-    them."""
-    width, head_dim = dq.shape[-2] * dq.shape[-1], dq.shape[-1]
+    """dQ in its dtype and layout from the fused kernel's fp32 sums (the kernel's width a head), laid out as
+    _hopper_dkdv's reductions left them."""
+    width, head_dim = sums.shape[-2] * sums.shape[-1], sums.shape[-1]
     # the fragment order holds a tile's D / 2 columns together; row-major sums split as finely as registers want
     half = min(head_dim // 2, config.DQ_CONVERT_COLS) if cfg.split_d else head_dim // 2
     return _DQ_CONVERT.bind((sums.numel() // width // cfg.block_m, width // half))(
-        sums, dq, *dq.stride()[:3], dq.shape[1], sums.shape[1], width, D=head_dim, BLOCK_M=cfg.block_m, HALF=half,
+        sums, dq, *dq.stride()[:3], dq.shape[1], sums.shape[1], width, D=head_dim, HEAD_D=dq.shape[-1],
+        BLOCK_M=cfg.block_m, HALF=half,
         FRAGMENTS=not cfg.split_d, FRAGMENT_COLS=config.DQ_FRAGMENT_COLS, EVEN=dq.shape[1] == sums.shape[1],
     )  # fmt: skip
 
@@ -521,7 +522,8 @@ def _gradients(dout, dlse, q, k, v, out, lse, p: AttentionParams, r: route.Route
     # of whole tiles per batch (a dense sequence may end inside its last)
     dq_sums = None
     if fused:
-        sums_shape = (q.shape[0], cdiv(q.shape[1], r.config.block_m) * r.config.block_m, *q.shape[2:])
+        rows = cdiv(q.shape[1], r.config.block_m) * r.config.block_m
+        sums_shape = (q.shape[0], rows, heads, config.hopper_width(head_dim))
         dq_sums = recorder.empty("dq_sums", sums_shape, torch.float32, q.device)
     # the gradients in their inputs' layouts, as flash_attn's (a model's (B, H, N, D) storage seen as (B, N, H, D))
     grads = ("dq", q), ("dk", k), ("dv", v)

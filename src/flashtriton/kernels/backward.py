@@ -64,7 +64,7 @@ def attention_backward_preprocess_kernel(
 ):  # fmt: skip
     """delta = rowsum(dO * O) - dLSE into DELTA: laid out as DLSE (strides stride_lb, stride_lh) or, with ALIGN, in
     the Gluon backward's aligned rows (stride_rb, stride_rh: config.LSE_ROWS_ALIGN), LSE copied beside it into
-    LSE_ROWS; and DQ (not None: the fused Gluon backward's fp32 sums) zeroed."""
+    LSE_ROWS; and DQ (not None: the fused Gluon backward's fp32 sums, BLOCK_D columns a head) zeroed."""
     pid_m = tl.program_id(0)
     pid_bh = head_program()
     b = (pid_bh // H).to(tl.int64)
@@ -91,21 +91,24 @@ def attention_backward_preprocess_kernel(
         room = rows < N_Q
     tl.store(DELTA + out_rows, tl.sum(o * do, 1) - dlse, mask=room)
     if DQ is not None:  # the fused Gluon backward's fp32 sums: the sequence's whole tiles (BLOCK_M is its block_m)
+        # all BLOCK_D columns, the kernel's width: its reductions store a tile's values in fragment order
         dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + (q_start + rows[:, None]) * stride_dqm + offs_d[None, :]
-        store_tile(dq_ptrs, tl.zeros_like(o), rows, tl.cdiv(N_Q, BLOCK_M) * BLOCK_M, offs_d, D, False, BLOCK_D == D)
+        store_tile(dq_ptrs, tl.zeros_like(o), rows, tl.cdiv(N_Q, BLOCK_M) * BLOCK_M, offs_d, BLOCK_D, False, True)
 
 
 @triton.jit
 def attention_backward_dq_convert_kernel(
-    DQ_SUMS, DQ, stride_dqb, stride_dqm, stride_dqh, N, SUMS_ROWS, COLS, D: tl.constexpr, BLOCK_M: tl.constexpr,
-    HALF: tl.constexpr, FRAGMENTS: tl.constexpr, FRAGMENT_COLS: tl.constexpr, EVEN: tl.constexpr,
+    DQ_SUMS, DQ, stride_dqb, stride_dqm, stride_dqh, N, SUMS_ROWS, COLS, D: tl.constexpr, HEAD_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, HALF: tl.constexpr, FRAGMENTS: tl.constexpr, FRAGMENT_COLS: tl.constexpr,
+    EVEN: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B * SUMS_ROWS / BLOCK_M, COLS / HALF): DQ ((B, N, H, D), any strides, in the gradients' dtype) from the
-    fused Hopper backward's fp32 sums, (B, SUMS_ROWS, H, D) contiguous (SUMS_ROWS >= N, whole BLOCK_M tiles; COLS =
-    H * D), a tile of BLOCK_M x HALF per program. FRAGMENTS: the sums are laid out for the kernel's reductions: a
-    tile's values as hopper/dkdv.py's _fragments orders a wgmma accumulator (BLOCK_M = 64, HALF = D / 2), the buffer's
-    rows as (row tile, fragment row) and its columns as (column tile, FRAGMENT_COLS). Else row-major. EVEN: N ==
-    SUMS_ROWS, every row is dQ's (no mask: the masked store holds more registers)."""
+    """Grid (B * SUMS_ROWS / BLOCK_M, COLS / HALF): DQ ((B, N, H, HEAD_D), any strides, in the gradients' dtype) from
+    the fused Hopper backward's fp32 sums, (B, SUMS_ROWS, H, D) contiguous (SUMS_ROWS >= N, whole BLOCK_M tiles; COLS
+    = H * D; D the kernel's width, HEAD_D <= D), a tile of BLOCK_M x HALF per program. FRAGMENTS: the sums are laid
+    out for the kernel's reductions: a tile's values as hopper/dkdv.py's _fragments orders a wgmma accumulator
+    (BLOCK_M = 64, HALF = D / 2), the buffer's rows as (row tile, fragment row) and its columns as (column tile,
+    FRAGMENT_COLS). Else row-major. EVEN: N == SUMS_ROWS, every row is dQ's (no mask: the masked store holds more
+    registers)."""
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     if FRAGMENTS:
@@ -124,11 +127,10 @@ def attention_backward_dq_convert_kernel(
     PARTS: tl.constexpr = D // HALF  # a head's column tiles
     # the column as a multiple of HALF, so that the stores are seen aligned and go out 16 bytes at a time
     at = DQ + b * stride_dqb + (pid_n // PARTS).to(tl.int64) * stride_dqh + pid_n % PARTS * HALF
-    at += rows[:, None] * stride_dqm + tl.arange(0, HALF)[None, :]
-    if EVEN:
-        tl.store(at, sums.to(DQ.dtype.element_ty))
-    else:
-        tl.store(at, sums.to(DQ.dtype.element_ty), mask=rows[:, None] < N)
+    cols = tl.arange(0, HALF)
+    at += rows[:, None] * stride_dqm + cols[None, :]
+    cols += pid_n % PARTS * HALF
+    store_tile(at, sums.to(DQ.dtype.element_ty), rows, N, cols, HEAD_D, EVEN, HEAD_D == D)
 
 
 @triton.jit

@@ -181,7 +181,11 @@ _SM90_SHORT_FORWARD = {128: ForwardConfig(64, 64, 4, 3, tma=True)}
 # streams 32 query rows per step, which dense short sequences and long spans lose with.
 _SM90_SHORT_BACKWARD = {128: BackwardConfig(32, 128, 128, 64, 8, 2, 3, tma=True)}
 
-# The Gluon forward on sm90 (kernels/hopper/forward.py), by head dim: faster than the portable kernel at every span.
+# A head dim between the Gluon tables' widths (64, 128, 256) runs at the next (hopper_width), over the tensors' own D:
+# TMA zero-fills the columns past it on loads and drops them on stores.
+HOPPER_MIN_HEAD_DIM = 32  # at or below it the portable kernels' narrower tiles
+
+# The Gluon forward on sm90 (kernels/hopper/forward.py), by width: faster than the portable kernel at every span.
 # O goes out through shared memory and a TMA store (stage_o) at every head dim.
 _SM90_HOPPER_FORWARD = {
     # three K/V slots, the staged O and a second Q tile per warpgroup (the next tile's Q loads a tile ahead) all fit
@@ -307,12 +311,19 @@ def forward_config(arch: str, head_dim: int, dtype: torch.dtype, span: int, plai
     return _halve_for_fp32(cfg, dtype)
 
 
+def hopper_width(head_dim: int) -> int | None:
+    """The Gluon kernels' tile width (their D) for a head dim, or None where they do not run: its block_d, the
+    width the portable kernels pad it to (the preprocess kernel zeroes the fused backward's dQ sums that wide)."""
+    return block_d(head_dim) if HOPPER_MIN_HEAD_DIM < head_dim <= 256 else None
+
+
 def hopper_forward_config(
     arch: str, head_dim: int, dtype: torch.dtype, *, banded: bool, span: int
 ) -> HopperForwardConfig | None:
     """The Gluon forward's config, or None where it does not run (forward_config's kernel does). ``banded``: a
     causal or window bound; ``span``: keys per query row (varlen: the longest sequence's)."""
-    if arch != "sm90" or dtype == torch.float32 or head_dim not in _SM90_HOPPER_FORWARD:
+    head_dim = hopper_width(head_dim)
+    if arch != "sm90" or dtype == torch.float32 or head_dim is None:
         return None
     if banded and span <= SHORT_BAND_SPAN:
         return _SM90_HOPPER_FORWARD_SHORT_BAND.get(head_dim, _SM90_HOPPER_FORWARD[head_dim])
@@ -325,7 +336,8 @@ def hopper_forward_config(
 
 def hopper_backward_config(arch: str, head_dim: int, dtype: torch.dtype) -> HopperBackwardConfig | None:
     """The Gluon backward's config, or None where it does not run (backward_config's kernels do)."""
-    return _SM90_HOPPER_BACKWARD.get(head_dim) if arch == "sm90" and dtype != torch.float32 else None
+    width = hopper_width(head_dim)
+    return _SM90_HOPPER_BACKWARD.get(width) if arch == "sm90" and dtype != torch.float32 else None
 
 
 def backward_config(

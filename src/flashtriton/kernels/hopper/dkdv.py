@@ -134,12 +134,12 @@ def _ragged(p_t, rows, keys, n, RAGGED: gl.constexpr):
 
 @gluon.jit
 def _store_keys(key_descs, outs, which: gl.constexpr, value, smem, coord, rows_left, VARLEN: gl.constexpr,
-                RAGGED: gl.constexpr):  # fmt: skip
+                RAGGED: gl.constexpr, HEAD_D: gl.constexpr):  # fmt: skip
     """dK or dV's tile at coord: through TMA (key_descs[which], staged in smem), or from registers where there are
     no key_descs (fp32 results) or a varlen sequence ends inside it (outs[which]: the tensor and its strides;
     rows_left: the sequence's rows from coord on)."""
     if len(key_descs) == 0 or (VARLEN and RAGGED and rows_left < value.shape[0]):
-        store_rows(outs[which][0], outs[which][1], coord, value, rows_left)
+        store_rows(outs[which][0], outs[which][1], coord, value, rows_left, HEAD_D)
     else:
         store(key_descs[which], value, smem, coord)
 
@@ -149,7 +149,7 @@ def _dkdv_consumer(key_descs, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_at, out
                    q_col, n_steps, GROUP, qk_scale, softmax_scale, window_left, W: gl.constexpr, FUSED: gl.constexpr,
                    DQ_LATE: gl.constexpr, READ_AHEAD: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                    VARLEN: gl.constexpr, RAGGED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   D: gl.constexpr):  # fmt: skip
+                   D: gl.constexpr, HEAD_D: gl.constexpr):  # fmt: skip
     """Warpgroup W's BLOCK_N keys (n0 + W * BLOCK_N on in the sequence of n; kv_at: the program's parked (batch,
     first key row, K/V head) coordinate in the descriptors):
     for each query tile of the ring ``steps``, S^T = K Q^T and dP^T = V dO^T (both from shared memory), then
@@ -249,8 +249,8 @@ def _dkdv_consumer(key_descs, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_at, out
         mbarrier.wait(ds_ready.index((n_all + 1) % 2), ((n_all + 1) // 2) & 1)
     bc, row, hk = unpark(kv_at, CONSUMER_WARPS)
     coord = [bc, row + W * BLOCK_N, hk, 0]
-    _store_keys(key_descs, outs, 0, dk * softmax_scale, k_smem, coord, n - first_key, VARLEN, RAGGED)
-    _store_keys(key_descs, outs, 1, dv, v_smem, coord, n - first_key, VARLEN, RAGGED)
+    _store_keys(key_descs, outs, 0, dk * softmax_scale, k_smem, coord, n - first_key, VARLEN, RAGGED, HEAD_D)
+    _store_keys(key_descs, outs, 1, dv, v_smem, coord, n - first_key, VARLEN, RAGGED, HEAD_D)
 
 
 @gluon.jit
@@ -268,7 +268,7 @@ def _dkdv_split_consumer(key_descs, dq_desc, k_smem, v_smem, steps, pt_bufs, dst
                          kv_bar, kv_at, outs, first_key, n, first_query, sums_row, q_col, n_steps, GROUP, qk_scale,
                          softmax_scale, window_left, W: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                          VARLEN: gl.constexpr, RAGGED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         D: gl.constexpr):  # fmt: skip
+                         D: gl.constexpr, HEAD_D: gl.constexpr):  # fmt: skip
     """Warpgroup W's half of D's columns for the program's BLOCK_N keys, which both warpgroups share: at D = 256 a
     warpgroup's registers hold dK and dV for 64 keys x 128 columns, not 256. Per streamed query tile it takes S^T
     and dP^T for its half of the tile's queries (K, V, Q, dO from shared memory) and puts P^T and dS^T there
@@ -340,8 +340,8 @@ def _dkdv_split_consumer(key_descs, dq_desc, k_smem, v_smem, steps, pt_bufs, dst
     _exchange(p_ready, GROUP * n_steps)
     bc, row, hk = unpark(kv_at, CONSUMER_WARPS)
     coord = [bc, row, hk, W * DH]
-    _store_keys(key_descs, outs, 0, dk * softmax_scale, k_cols, coord, n - first_key, VARLEN, RAGGED)
-    _store_keys(key_descs, outs, 1, dv, v_smem.slice(W * DH, DH, dim=1), coord, n - first_key, VARLEN, RAGGED)
+    _store_keys(key_descs, outs, 0, dk * softmax_scale, k_cols, coord, n - first_key, VARLEN, RAGGED, HEAD_D)
+    _store_keys(key_descs, outs, 1, dv, v_smem.slice(W * DH, DH, dim=1), coord, n - first_key, VARLEN, RAGGED, HEAD_D)
 
 
 @gluon.jit
@@ -350,8 +350,8 @@ def attention_backward_dkdv_sm90_kernel(
     stride_dvm, stride_dvh, dq_desc, sums_rows, lse_desc, delta_desc, stride_lb, stride_lh, N, H, GROUP, qk_scale,
     softmax_scale, window_left, CU_SEQLENS, order_heads,
     CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, RAGGED: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, DQ_LATE: gl.constexpr, READ_AHEAD: gl.constexpr,
-    SPLIT_D: gl.constexpr, WORKER_REGISTERS: gl.constexpr,
+    BLOCK_N: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, DQ_LATE: gl.constexpr,
+    READ_AHEAD: gl.constexpr, SPLIT_D: gl.constexpr, WORKER_REGISTERS: gl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(N, KEYS) * B * HKV,): dK, dV of KEYS keys of one K/V head, two consumer warpgroups and a producer
     warp streaming the (Q, dO, LSE, delta) tiles of the GQA group through a ring of STAGES slots; lse/delta_desc: LSE
@@ -362,8 +362,8 @@ def attention_backward_dkdv_sm90_kernel(
     (fp32 results, for which the K and V tiles that stage a TMA store have no room). dq_desc: None, or the fp32 sums
     to which these keys' dQ shares are added (TMA reductions), sums_rows rows per batch: laid out as _dq_add says,
     or, SPLIT_D, (B * sums_rows, H * D) in blocks of BLOCK_M x D / 4. DK, DV: dK and dV again, with their strides,
-    for the register stores of a varlen sequence's last keys or of fp32 results (_store_keys). WORKER_REGISTERS: the
-    worker consumer warpgroup's (setmaxnreg)."""
+    for the register stores of a varlen sequence's last keys or of fp32 results (_store_keys). D: the tiles' width,
+    HEAD_D <= D the tensors' (primitives.py). WORKER_REGISTERS: the worker consumer warpgroup's (setmaxnreg)."""
     KEYS: gl.constexpr = BLOCK_N if SPLIT_D else 2 * BLOCK_N
     # programs in groups of order_heads K/V heads, each group's key blocks in order: its first blocks (causal: the
     # longest) before the next
@@ -434,11 +434,11 @@ def attention_backward_dkdv_sm90_kernel(
                 (_dkdv_split_consumer, (key_descs, dq_desc, k_bufs.index(0), v_bufs.index(0), steps, pt_bufs,
                                         dst_bufs, p_ready, ds_ready, kv_bar, kv_at, outs, n0, N, first_query,
                                         sums_row, h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left, 0,
-                                        CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D)),
+                                        CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D, HEAD_D)),
                 (_dkdv_split_consumer, (key_descs, dq_desc, k_bufs.index(0), v_bufs.index(0), steps, pt_bufs,
                                         dst_bufs, p_ready, ds_ready, kv_bar, kv_at, outs, n0, N, first_query,
                                         sums_row, h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left, 1,
-                                        CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D)),
+                                        CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D, HEAD_D)),
                 (_dkdv_producer, producer),
             ],
             [CONSUMER_WARPS, PRODUCER_WARPS],
@@ -449,10 +449,12 @@ def attention_backward_dkdv_sm90_kernel(
             [
                 (_dkdv_consumer, (key_descs, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_at, outs, n0, N,
                                   first_query, sums_row, h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left,
-                                  0, FUSED, DQ_LATE, READ_AHEAD, CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D)),
+                                  0, FUSED, DQ_LATE, READ_AHEAD, CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D,
+                                  HEAD_D)),
                 (_dkdv_consumer, (key_descs, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_at, outs, n0, N,
                                   first_query, sums_row, h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left,
-                                  1, FUSED, DQ_LATE, READ_AHEAD, CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D)),
+                                  1, FUSED, DQ_LATE, READ_AHEAD, CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D,
+                                  HEAD_D)),
                 (_dkdv_producer, producer),
             ],
             [CONSUMER_WARPS, PRODUCER_WARPS],

@@ -61,7 +61,7 @@ def _dq_producer(k_desc, v_desc, kv_ring, kv, n_tiles, BLOCK_N: gl.constexpr):
 def _dq_consumer(dq_out, q_smem, do_smem, kv_ring, q_bar, lse_ptr, rows_ptrs, o_ptr, dlse_ptr, stride_o, coord,
                  first_row, n, key0, n_tiles, qk_scale, softmax_scale, window_left, CAUSAL: gl.constexpr,
                  LEFT: gl.constexpr, VARLEN: gl.constexpr, RAGGED: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, D: gl.constexpr):  # fmt: skip
+                 BLOCK_N: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr):  # fmt: skip
     """One warpgroup's BLOCK_M query rows (those below the sequence's n): first delta = rowsum(dO * O) - dLSE (the
     portable path's preprocess kernel), stored for the dK/dV kernel with a copy of the LSE in its aligned rows
     (rows_ptrs: (DELTA, LSE_ROWS) there), then for each streamed key tile S = Q K^T and
@@ -82,8 +82,12 @@ def _dq_consumer(dq_out, q_smem, do_smem, kv_ring, q_bar, lse_ptr, rows_ptrs, o_
     lse2 = gl.expand_dims(lse * LOG2E, 1)
     tile: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     o_rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, tile))
-    offsets = gl.expand_dims(o_rows, 1) * stride_o + gl.expand_dims(gl.arange(0, D, gl.SliceLayout(0, tile)), 0)
-    o = gl.load(o_ptr + offsets, mask=gl.expand_dims(first_row + o_rows < n, 1), other=0.0).to(gl.float32)
+    o_cols = gl.arange(0, D, gl.SliceLayout(0, tile))
+    offsets = gl.expand_dims(o_rows, 1) * stride_o + gl.expand_dims(o_cols, 0)
+    held_o = gl.expand_dims(first_row + o_rows < n, 1)
+    if HEAD_D < D:  # a tile wider than the tensors: O's columns past HEAD_D are another head's or none
+        held_o = held_o & gl.expand_dims(o_cols < HEAD_D, 0)
+    o = gl.load(o_ptr + offsets, mask=held_o, other=0.0).to(gl.float32)
     mbarrier.wait(q_bar, 0)
     delta = gl.convert_layout(gl.sum(o * do_smem.load(tile).to(gl.float32), 1), rows_s)
     delta = delta - gl.load(dlse_ptr + gl.arange(0, BLOCK_M, rows_s), mask=held, other=0.0)
@@ -113,7 +117,7 @@ def _dq_consumer(dq_out, q_smem, do_smem, kv_ring, q_bar, lse_ptr, rows_ptrs, o_
 
     dq_store, DQ, dq_strides = dq_out
     if len(dq_store) == 0 or (VARLEN and RAGGED and first_row + BLOCK_M > n):
-        store_rows(DQ, dq_strides, coord, dq * softmax_scale, n - first_row)
+        store_rows(DQ, dq_strides, coord, dq * softmax_scale, n - first_row, HEAD_D)
     else:
         store(dq_store[0], dq * softmax_scale, q_smem, coord)
 
@@ -124,13 +128,14 @@ def attention_backward_dq_sm90_kernel(
     stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_rb, stride_rh, N, H, GROUP, qk_scale,
     softmax_scale, window_left,
     CU_SEQLENS, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, RAGGED: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(N, 2 * BLOCK_M), B * H): dQ (and delta) of 2 * BLOCK_M query rows, laid out as the forward's
     program, K/V tiles through a ring of STAGES slots; O: the forward's output and DQ, (B, N, H, D) with the strides
     given (dQ also through dq_desc, or where that is None from registers alone: fp32 results, for which the Q tile
     that stages a TMA store has no room). LSE, DLSE: strides stride_lb, stride_lh; DELTA and LSE_ROWS (LSE's copy): the
-    aligned rows that the dK/dV kernel reads (stride_rb, stride_rh; primitives.rows_start)."""
+    aligned rows that the dK/dV kernel reads (stride_rb, stride_rh; primitives.rows_start). D: the tiles' width,
+    HEAD_D <= D the tensors' (primitives.py)."""
     pid_bh = head_program()
     b = pid_bh // H
     h = pid_bh % H
@@ -159,11 +164,11 @@ def attention_backward_dq_sm90_kernel(
             (_dq_consumer, (dq_out, q_bufs.index(0), do_bufs.index(0), kv_ring, q_bar, LSE + row,
                             (DELTA + out_row, LSE_ROWS + out_row), o,
                             DLSE + row, stride_om, q, m0, N, key0, n_tiles, qk_scale, softmax_scale, window_left,
-                            CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D)),
+                            CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D, HEAD_D)),
             (_dq_consumer, (dq_out, q_bufs.index(1), do_bufs.index(1), kv_ring, q_bar, LSE + row + BLOCK_M,
                             (DELTA + out_row + BLOCK_M, LSE_ROWS + out_row + BLOCK_M), o + BLOCK_M * stride_om,
                             DLSE + row + BLOCK_M, stride_om, at(q, BLOCK_M), m0 + BLOCK_M, N, key0, n_tiles, qk_scale,
-                            softmax_scale, window_left, CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D)),
+                            softmax_scale, window_left, CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D, HEAD_D)),
             (_dq_producer, (k_desc, v_desc, kv_ring, [bc, seq0 + key0, h // GROUP, 0], n_tiles, BLOCK_N)),
         ],
         [CONSUMER_WARPS, PRODUCER_WARPS],

@@ -298,7 +298,8 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
 @gluon.jit
 def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                       VARLEN: gl.constexpr, RAGGED: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
-                      D: gl.constexpr, TREE: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
+                      D: gl.constexpr, HEAD_D: gl.constexpr, TREE: gl.constexpr,
+                      PINGPONG: gl.constexpr):  # fmt: skip
     """Warpgroup W's rows of each of this program's tiles (its Q tiles come through q_ring). It multiplies only
     the key tiles its rows see (causal, a tile of three warpgroups' rows streams more than its first warpgroup
     needs) and lets the others go by, as it does a whole tile whose rows start past the sequence's end. The
@@ -369,7 +370,7 @@ def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEF
                         stage_out(o_desc, o_smem, lo, coord)
                         stage_out(o_desc, o_smem, hi, [bc, seq0 + first_row, h, piece])
                 else:
-                    store_rows(O, o_strides, coord, acc, n - first_row)
+                    store_rows(O, o_strides, coord, acc, n - first_row, HEAD_D)
             else:
                 give(q_ring, done)
             _pass(k_ring, v_ring, it + lead + n_own, n_tiles - lead - n_own, turns)
@@ -385,21 +386,21 @@ def attention_forward_sm90_kernel(
     q_desc, k_desc, v_desc, o_desc, O, stride_ob, stride_om, stride_oh, LSE, stride_lb, stride_lh, SINKS, N, H, GROUP,
     qk_scale, window_left, CU_SEQLENS, units, SCHEDULE, m_bits, h_bits, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
     VARLEN: gl.constexpr, RAGGED: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, D: gl.constexpr, Q_STAGES: gl.constexpr, STAGES: gl.constexpr, TREE_ROWS: gl.constexpr,
-    PINGPONG: gl.constexpr,
+    BLOCK_N: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, Q_STAGES: gl.constexpr, STAGES: gl.constexpr,
+    TREE_ROWS: gl.constexpr, PINGPONG: gl.constexpr,
 ):  # fmt: skip
     """Persistent: program i of P runs the tiles that SCHEDULE lists for it (schedule.py, each entry's batch, head
     and tile in bit fields m_bits and h_bits wide: _forward_tile) or, where SCHEDULE is None, units i, i + P, ... of
     ``units`` (_forward_tile), a tile being CONSUMERS * BLOCK_M query rows of one head (2 or 3 consumer warpgroups
     of BLOCK_M rows each).
-    q/k/v_desc: (B, N, H, D) tensors (primitives.py), blocks of [1, rows, 1, D]: B sequences of N rows, or with
-    VARLEN one batch row, sequence b at rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] (N the longest); RAGGED: some sequence
-    is not a whole number of tiles. O: the output, (B, N, H, D) with those strides, stored from registers, or
-    through o_desc (blocks of [1, BLOCK_M, 1, D or D / 2]) when that is not None; LSE: each row's natural-log LSE,
-    or None where the caller needs none; SINKS: (H,) fp32 logits, one more per row, or None. Rings of shared memory:
-    Q_STAGES tiles per consumer warpgroup, STAGES K tiles and STAGES V tiles. CAUSAL: query i sees keys j <= i, and
-    with LEFT only j >= i - window_left. TREE_ROWS: the softmax's row max and sum as trees (_row_max). PINGPONG: the
-    consumers issue their MMAs in turns (_await_turn)."""
+    q/k/v_desc: (B, N, H, HEAD_D) tensors (primitives.py), blocks of [1, rows, 1, D] (D >= HEAD_D): B sequences of
+    N rows, or with VARLEN one batch row, sequence b at rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] (N the longest);
+    RAGGED: some sequence is not a whole number of tiles. O: the output, (B, N, H, HEAD_D) with those strides,
+    stored from registers, or through o_desc (blocks of [1, BLOCK_M, 1, D or D / 2]) when that is not None; LSE:
+    each row's natural-log LSE, or None where the caller needs none; SINKS: (H,) fp32 logits, one more per row, or
+    None. Rings of shared memory: Q_STAGES tiles per consumer warpgroup, STAGES K tiles and STAGES V tiles. CAUSAL:
+    query i sees keys j <= i, and with LEFT only j >= i - window_left. TREE_ROWS: the softmax's row max and sum as
+    trees (_row_max). PINGPONG: the consumers issue their MMAs in turns (_await_turn)."""
     k_ring = ring((tiles(k_desc, STAGES),), CONSUMERS)
     v_ring = ring((tiles(v_desc, STAGES),), CONSUMERS)
     q0 = ring((tiles(q_desc, Q_STAGES),), 1)
@@ -422,10 +423,10 @@ def attention_forward_sm90_kernel(
     if CONSUMERS == 2:
         gl.warp_specialize(
             [
-                (_forward_consumer, (shared, q0, 0, CAUSAL, LEFT, VARLEN, RAGGED, CONSUMERS, BLOCK_N, D, TREE_ROWS,
-                                     PINGPONG)),
-                (_forward_consumer, (shared, q1, 1, CAUSAL, LEFT, VARLEN, RAGGED, CONSUMERS, BLOCK_N, D, TREE_ROWS,
-                                     PINGPONG)),
+                (_forward_consumer, (shared, q0, 0, CAUSAL, LEFT, VARLEN, RAGGED, CONSUMERS, BLOCK_N, D, HEAD_D,
+                                     TREE_ROWS, PINGPONG)),
+                (_forward_consumer, (shared, q1, 1, CAUSAL, LEFT, VARLEN, RAGGED, CONSUMERS, BLOCK_N, D, HEAD_D,
+                                     TREE_ROWS, PINGPONG)),
                 (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1), k_ring, v_ring, N, H, GROUP, CU_SEQLENS, units,
                                      schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N)),
             ],
@@ -436,12 +437,12 @@ def attention_forward_sm90_kernel(
         q2 = ring((tiles(q_desc, Q_STAGES),), 1)
         gl.warp_specialize(
             [
-                (_forward_consumer, (shared, q0, 0, CAUSAL, LEFT, VARLEN, RAGGED, CONSUMERS, BLOCK_N, D, TREE_ROWS,
-                                     PINGPONG)),
-                (_forward_consumer, (shared, q1, 1, CAUSAL, LEFT, VARLEN, RAGGED, CONSUMERS, BLOCK_N, D, TREE_ROWS,
-                                     PINGPONG)),
-                (_forward_consumer, (shared, q2, 2, CAUSAL, LEFT, VARLEN, RAGGED, CONSUMERS, BLOCK_N, D, TREE_ROWS,
-                                     PINGPONG)),
+                (_forward_consumer, (shared, q0, 0, CAUSAL, LEFT, VARLEN, RAGGED, CONSUMERS, BLOCK_N, D, HEAD_D,
+                                     TREE_ROWS, PINGPONG)),
+                (_forward_consumer, (shared, q1, 1, CAUSAL, LEFT, VARLEN, RAGGED, CONSUMERS, BLOCK_N, D, HEAD_D,
+                                     TREE_ROWS, PINGPONG)),
+                (_forward_consumer, (shared, q2, 2, CAUSAL, LEFT, VARLEN, RAGGED, CONSUMERS, BLOCK_N, D, HEAD_D,
+                                     TREE_ROWS, PINGPONG)),
                 (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1, q2), k_ring, v_ring, N, H, GROUP, CU_SEQLENS,
                                      units, schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N)),
             ],

@@ -1,11 +1,12 @@
 """What the Gluon kernels share: layouts, the causal band, sequence and tile bounds, barriers, rings of
 shared-memory slots and TMA stores.
 
-A (B, N, H, D) tensor is read and written through a rank-4 TMA descriptor of its own strides (any whose last is 1,
-the rest 16-byte multiples), in blocks of [1, rows, 1, cols]: coordinates [b, row, head, col], ``b`` the batch (0 for
-a varlen batch, whose sequences lie along the rows). TMA fills rows past the tensor's N with zeros and drops stores
-to them, so a dense sequence may end inside a tile. A block lands in a [rows, cols] shared-memory tile of the same
-swizzle (flat_layout): the bytes are the same.
+A (B, N, H, HEAD_D) tensor is read and written through a rank-4 TMA descriptor of its own strides (any whose last
+is 1, the rest 16-byte multiples), in blocks of [1, rows, 1, cols]: coordinates [b, row, head, col], ``b`` the batch
+(0 for a varlen batch, whose sequences lie along the rows). TMA fills rows past the tensor's N with zeros and drops
+stores to them, so a dense sequence may end inside a tile; it does the same with columns past HEAD_D, so a head dim
+between the kernels' widths D (64, 128, 256) runs at the next. A block lands in a [rows, cols] shared-memory tile of
+the same swizzle (flat_layout): the bytes are the same.
 
 A ring is (tiles, ready, empty): ``tiles`` a tuple of shared-memory arrays of as many slots each, slot s holding
 tile s of each; ``ready[s]`` completes a phase when the producer's loads into slot s have landed, ``empty[s]`` when
@@ -261,16 +262,20 @@ def store(desc, value, smem, coord):
 
 
 @gluon.jit
-def store_rows(ptr, strides, coord, value, n_rows):
-    """value ([rows, cols], a wgmma accumulator's layout) to the (B, N, H, D) tensor at ptr with strides (batch,
-    row, head), at coord, its first n_rows rows only: where a TMA store would write past a varlen sequence's end."""
+def store_rows(ptr, strides, coord, value, n_rows, HEAD_D: gl.constexpr):
+    """value ([rows, cols], a wgmma accumulator's layout) to the (B, N, H, HEAD_D) tensor at ptr with strides
+    (batch, row, head), at coord, its first n_rows rows only: where a TMA store would write past a varlen sequence's
+    end; and its columns before HEAD_D only, as a TMA store drops those of a tile wider than the tensor."""
     layout: gl.constexpr = value.type.layout
     rows = gl.arange(0, value.shape[0], gl.SliceLayout(1, layout))
     cols = gl.arange(0, value.shape[1], gl.SliceLayout(0, layout))
     base = ptr + coord[0].to(gl.int64) * strides[0] + coord[1].to(gl.int64) * strides[1]
     base += coord[2].to(gl.int64) * strides[2]  # a model's (B, H, N, D) storage: heads N * D apart
     offsets = gl.expand_dims(rows.to(gl.int64), 1) * strides[1] + gl.expand_dims(coord[3] + cols, 0)
-    gl.store(base + offsets, value.to(ptr.dtype.element_ty), mask=gl.expand_dims(rows < n_rows, 1))
+    mask = gl.expand_dims(rows < n_rows, 1)
+    if HEAD_D % value.shape[1] != 0:  # the tensor's D ends inside some tile's columns
+        mask = mask & gl.expand_dims(coord[3] + cols < HEAD_D, 0)
+    gl.store(base + offsets, value.to(ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
