@@ -127,10 +127,14 @@ def attention_backward_dq_convert_kernel(
     PARTS: tl.constexpr = D // HALF  # a head's column tiles
     # the column as a multiple of HALF, so that the stores are seen aligned and go out 16 bytes at a time
     at = DQ + b * stride_dqb + (pid_n // PARTS).to(tl.int64) * stride_dqh + pid_n % PARTS * HALF
-    cols = tl.arange(0, HALF)
-    at += rows[:, None] * stride_dqm + cols[None, :]
-    cols += pid_n % PARTS * HALF
-    store_tile(at, sums.to(DQ.dtype.element_ty), rows, N, cols, HEAD_D, EVEN, HEAD_D == D)
+    at += rows[:, None] * stride_dqm + tl.arange(0, HALF)[None, :]
+    if EVEN and HEAD_D == D:
+        tl.store(at, sums.to(DQ.dtype.element_ty))
+    else:
+        held = rows[:, None] < N
+        if HEAD_D < D:  # sums as wide as the Gluon tiles: the columns past HEAD_D are none of dQ's
+            held = held & (pid_n % PARTS * HALF + tl.arange(0, HALF) < HEAD_D)[None, :]
+        tl.store(at, sums.to(DQ.dtype.element_ty), mask=held)
 
 
 @triton.jit

@@ -82,11 +82,10 @@ def _dq_consumer(dq_out, q_smem, do_smem, kv_ring, q_bar, lse_ptr, rows_ptrs, o_
     lse2 = gl.expand_dims(lse * LOG2E, 1)
     tile: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     o_rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, tile))
-    o_cols = gl.arange(0, D, gl.SliceLayout(0, tile))
-    offsets = gl.expand_dims(o_rows, 1) * stride_o + gl.expand_dims(o_cols, 0)
+    offsets = gl.expand_dims(o_rows, 1) * stride_o + gl.expand_dims(gl.arange(0, D, gl.SliceLayout(0, tile)), 0)
     held_o = gl.expand_dims(first_row + o_rows < n, 1)
     if HEAD_D < D:  # a tile wider than the tensors: O's columns past HEAD_D are another head's or none
-        held_o = held_o & gl.expand_dims(o_cols < HEAD_D, 0)
+        held_o = held_o & gl.expand_dims(gl.arange(0, D, gl.SliceLayout(0, tile)) < HEAD_D, 0)
     o = gl.load(o_ptr + offsets, mask=held_o, other=0.0).to(gl.float32)
     mbarrier.wait(q_bar, 0)
     delta = gl.convert_layout(gl.sum(o * do_smem.load(tile).to(gl.float32), 1), rows_s)
