@@ -32,6 +32,7 @@ SPILLS = {
     (64, "window", DKDV): 24,  # 16 with the CPU image's ptxas; the H200 image's has spilled 8 B more
     (64, "varlen tiles", DKDV): 16,
     (128, "dense", DKDV): 32,  # fused, at two (Q, dO) slots
+    (80, "dense", DKDV): 32,  # 128-wide tiles: D=128's kernel but for the epilogues' column masks
     (128, "causal", DKDV): 40,
     (128, "window", DKDV): 40,
     (128, "varlen tiles", DKDV): 40,
@@ -50,6 +51,7 @@ SPILLS.update({
     (64, "causal fp32", DKDV): 8,
     (128, "causal fp32", FORWARD): 24,
     (128, "causal fp32", DKDV): 40,
+    (80, "causal fp32", DKDV): 40,
     (256, "causal fp32", FORWARD): 16,
     (256, "causal fp32", DKDV): 96,
 })  # fmt: skip
@@ -85,7 +87,7 @@ def _check(results: dict, expected: dict) -> None:
 def test_sm90_kernels_build():
     """The forward at D = 64, 128 and 256, dense, causal and causal with sinks (whose forward spills no more than
     without); the fused dK/dV at each D (at 256 split across the warpgroups by columns); the dQ kernel and dK/dV after
-    it (D=128 causal: below its fused span)."""
+    it (D=128 causal: below its fused span); D=80 in 128-wide tiles, fused."""
     fused = {FORWARD, DKDV}
     expected = {
         (64, "dense"): fused,
@@ -99,15 +101,17 @@ def test_sm90_kernels_build():
         (256, "causal sinks"): fused,
     }
     _check(_build([64, 128, 256], ["dense", "causal", "causal sinks"]), expected)
+    _check(_build([80], ["dense"]), {(80, "dense"): fused})
 
 
 def test_sm90_fp32_results_build():
     """Calls that ask for fp32 results (ring attention's steps) at each D, causal: O, dK and dV, and the dQ kernel's
     dQ stored from registers; fused dK/dV at 64 and 256 (split across the warpgroups by columns), the dQ kernel and
-    dK/dV after it at 128."""
-    fused = {FORWARD, DKDV}
-    expected = {(64, "causal fp32"): fused, (128, "causal fp32"): {FORWARD, DQ, DKDV}, (256, "causal fp32"): fused}
-    _check(_build([64, 128, 256], ["causal"], fp32_results=True), expected)
+    dK/dV after it at 128 and at 80 (128-wide tiles, whose register stores drop the columns past 80)."""
+    fused, pair = {FORWARD, DKDV}, {FORWARD, DQ, DKDV}
+    expected = {(64, "causal fp32"): fused, (128, "causal fp32"): pair, (256, "causal fp32"): fused}
+    expected[80, "causal fp32"] = pair
+    _check(_build([64, 80, 128, 256], ["causal"], fp32_results=True), expected)
 
 
 @pytest.mark.slow
