@@ -110,6 +110,10 @@ def test_hopper_scope():
     assert not any(forward("sm90", d, torch.bfloat16, span=s, banded=b).tree_rows
                    for d in (64, 128, 256) for s in spans for b in (False, True))  # fmt: skip
     assert any(c.tree_rows for c in config.hopper_forward_candidates(64, forward("sm90", 64, torch.bfloat16)))
+    # a head dim between the widths is tuned among its width's rows
+    table = forward("sm90", 80, torch.bfloat16)
+    assert table == forward("sm90", 128, torch.bfloat16)
+    assert set(config.hopper_forward_candidates(80, table)) == set(config.hopper_forward_candidates(128, table))
     # the consumers' MMAs in turns for D=256, banded or not, and D=64's three unbanded
     assert forward("sm90", 256, torch.bfloat16).pingpong and forward("sm90", 256, torch.bfloat16, banded=True).pingpong
     assert forward("sm90", 64, torch.bfloat16, span=wide).pingpong

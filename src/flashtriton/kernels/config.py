@@ -405,7 +405,8 @@ def hopper_forward_candidates(head_dim: int, table: HopperForwardConfig) -> list
         _SM90_HOPPER_FORWARD_WIDE_BAND,
         _SM90_HOPPER_FORWARD_SHORT_BAND,
     )
-    rows = [band[head_dim] for band in bands if head_dim in band]
+    width = hopper_width(head_dim)
+    rows = [band[width] for band in bands if width in band]
     slots = [replace(table, stages=table.stages + d) for d in (-1, 1) if table.stages + d >= 2]
     return [*rows, *slots, replace(table, pingpong=not table.pingpong), replace(table, tree_rows=not table.tree_rows)]
 
