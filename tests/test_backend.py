@@ -90,7 +90,8 @@ def test_hopper_scope():
     assert not fits(window_right=4) and not fits(window_left=8, window_right=4) and not fits(window_left=8)
     assert fits(q=q[:, :191], k=kv[:, :191])  # a sequence that ends inside a tile
     assert not fits(k=kv[:, :128])  # cross-attention
-    assert not fits(q=q[..., :48], k=kv[..., :48])  # head dim not a power of two
+    assert fits(q=q[..., :48], k=kv[..., :48])  # a head dim between widths: 64-wide tiles
+    assert not fits(q=q[..., :44], k=kv[..., :44])  # 88-byte rows: TMA reads 16-byte multiples
     config = triton_backend.config
     forward = functools.partial(config.hopper_forward_config, banded=False, span=1024)
     assert forward("sm90", 128, torch.bfloat16) is not None
@@ -229,8 +230,8 @@ def test_hopper_forward_turns_change_no_bits(head_dim, monkeypatch):
 def test_preprocess_writes_delta_and_zeroes_the_fused_backwards_dq(gluon):
     """The preprocess kernel computes delta = rowsum(dO * O) - dLSE: laid out as dLSE for the portable kernels or, for
     the Gluon dK/dV kernel, in aligned rows beside a copy of the LSE, zeros up to whole tiles; and, given the fused
-    backward's fp32 dQ sums, zeroes them in whole tiles (a ragged last row block, D under BLOCK_D), in whichever of
-    the interpreter or the GPU runs here."""
+    backward's fp32 dQ sums, zeroes them in whole tiles (a ragged last row block) and all BLOCK_D columns (they are as
+    wide as the Gluon tiles; D under BLOCK_D), in whichever of the interpreter or the GPU runs here."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch, n, heads, head_dim = 2, 37, 3, 40
     align = config.LSE_ROWS_ALIGN if gluon else 0
@@ -238,7 +239,7 @@ def test_preprocess_writes_delta_and_zeroes_the_fused_backwards_dq(gluon):
     dlse, lse = torch.randn(batch, heads, n, device=device), torch.randn(batch, heads, n, device=device)
     rows = (batch, heads, align) if gluon else dlse.shape
     delta, lse_rows = (torch.full(rows, float("nan"), device=device) for _ in range(2))
-    sums = torch.full((batch, 64, heads, head_dim), float("nan"), device=device) if gluon else None
+    sums = torch.full((batch, 64, heads, 64), float("nan"), device=device) if gluon else None
     triton_backend._PREPROCESS[(2, batch * heads)](
         out, dout, dlse, delta, sums, lse, lse_rows, *triton_backend._strides(out), *triton_backend._strides(dout),
         *triton_backend._strides(out if sums is None else sums), dlse.stride(0), dlse.stride(1), delta.stride(0),
@@ -293,26 +294,30 @@ def _fragment_positions(rows: int, width: int, half: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n", [100, 128], ids=["ragged", "whole"])
-@pytest.mark.parametrize("head_dim, fragments", [(64, True), (128, True), (256, False)])
-def test_dq_convert_reads_the_fused_backwards_order(head_dim, fragments, n):
+@pytest.mark.parametrize(
+    "head_dim, width, fragments",
+    [(64, 64, True), (128, 128, True), (256, 256, False), (80, 128, True), (192, 256, False)],
+)
+def test_dq_convert_reads_the_fused_backwards_order(head_dim, width, fragments, n):
     """The conversion after the fused backward reads its fp32 sums in the order the kernel's reductions wrote them
-    (D=64/128: fragment order; D=256's split kernel: row-major), whole tiles of rows per batch of which the first
-    N are dQ's, into dQ's own layout (here a model's (B, H, N, D) storage), in whichever of the interpreter or the
-    GPU runs."""
+    (64 and 128 wide: fragment order; 256's split kernel: row-major), whole tiles of rows per batch of which the first
+    N are dQ's, as wide as the kernel's tiles of which the first head_dim columns are dQ's, into dQ's own layout
+    (here a model's (B, H, N, D) storage), in whichever of the interpreter or the GPU runs."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch, rows, heads = 2, 128, 3
-    half = head_dim // 2 if fragments else config.DQ_CONVERT_COLS
-    dq = torch.randn(batch * rows, heads * head_dim, device=device, dtype=torch.bfloat16).float()  # exact in both
+    half = width // 2 if fragments else config.DQ_CONVERT_COLS
+    dq = torch.randn(batch * rows, heads * width, device=device, dtype=torch.bfloat16).float()  # exact in both
     sums = torch.full_like(dq, float("nan")).view(-1)
-    at = _fragment_positions(batch * rows, heads * head_dim, head_dim // 2) if fragments else torch.arange(dq.numel())
+    at = _fragment_positions(batch * rows, heads * width, width // 2) if fragments else torch.arange(dq.numel())
     sums[at.view(-1).to(device)] = dq.view(-1)
-    storage = torch.full((batch, heads, n, head_dim), float("nan"), device=device, dtype=torch.bfloat16)
-    out = storage.transpose(1, 2)
-    triton_backend._DQ_CONVERT[(batch * rows // 64, heads * head_dim // half)](
-        sums, out, *out.stride()[:3], n, rows, heads * head_dim, D=head_dim, BLOCK_M=64, HALF=half,
+    storage = torch.full((batch, heads, n + 1, head_dim), float("nan"), device=device, dtype=torch.bfloat16)
+    out = storage.transpose(1, 2)[:, :n]  # a row past dQ's: nothing may land there
+    triton_backend._DQ_CONVERT[(batch * rows // 64, heads * width // half)](
+        sums, out, *out.stride()[:3], n, rows, heads * width, D=width, HEAD_D=head_dim, BLOCK_M=64, HALF=half,
         FRAGMENTS=fragments, FRAGMENT_COLS=config.DQ_FRAGMENT_COLS, EVEN=n == rows,
     )  # fmt: skip
-    assert torch.equal(out.float(), dq.view(batch, rows, heads, head_dim)[:, :n])
+    assert torch.equal(out.float(), dq.view(batch, rows, heads, width)[:, :n, :, :head_dim])
+    assert storage[:, :, n].isnan().all()
 
 
 def _input_grads(fn, *args, **kwargs) -> tuple[torch.Tensor, ...]:
