@@ -317,6 +317,18 @@ def test_rows_without_keys_are_zero_with_infinite_lse(backend, case):
 
 
 @pytest.mark.parametrize("backend,case", target_params(ONE), indirect=["backend"])
+def test_negative_leftpad_counts_as_zero(backend, case):
+    """A negative cache_leftpad (device data, never read on the host) starts the keys at row 0: no row before the
+    cache is read, and the result is leftpad 0's, bit for bit."""
+    case = replace(case, seqlens=(30, 9), n_q=2, n_new=2, leftpad=(-7, 0))
+    inputs = _inputs(case, backend.device)
+    negative = _call(inputs, 2)
+    inputs.kwargs["cache_leftpad"] = torch.zeros_like(inputs.kwargs["cache_leftpad"])
+    for a, b in zip(negative, _call(inputs, 2), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend,case", target_params(ONE), indirect=["backend"])
 def test_chosen_splits_and_no_lse_give_the_same_out(backend, case):
     """num_splits=0 (the table's choice: a split cache, one sequence of one K/V head on a 512-row cache) and
     return_softmax_lse=False agree with explicit splits to rounding."""

@@ -61,7 +61,7 @@ def forward(
         append(cache)
     batch, n_q, heads, _ = q.shape
     seqlens = cache.cache_seqlens.tolist()
-    starts = [0] * batch if cache.cache_leftpad is None else cache.cache_leftpad.tolist()
+    starts = [0] * batch if cache.cache_leftpad is None else [max(s, 0) for s in cache.cache_leftpad.tolist()]
     if cache.rotary_cos is not None:
         step = int(cache.rotate_rows)
         positions = cache.cache_seqlens.long()[:, None] + step * torch.arange(n_q, device=q.device)

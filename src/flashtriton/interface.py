@@ -441,7 +441,8 @@ def flash_attn_with_kvcache(
         Required with k, v; None: every sequence uses the whole cache.
     cache_batch_idx: (batch,) int32: the cache's batch row of each sequence (default b); not with block_table.
         Duplicate rows with k, v: any one sequence's rows are written.
-    cache_leftpad: (batch,) int32: each sequence's keys start at that cache row (default 0).
+    cache_leftpad: (batch,) int32: each sequence's keys start at that cache row (default 0; a negative one counts
+        as 0).
     block_table: (batch, max_blocks) int32: sequence b's cache row r lives in page block_table[b, r // page_size] at
         row r % page_size; capacity = max_blocks * page_size rows per sequence (seqlen_cache without pages).
 

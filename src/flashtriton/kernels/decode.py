@@ -177,7 +177,7 @@ def decode_split_kernel(
     seqlen = tl.load(CACHE_SEQLENS + b)
     start = 0
     if CACHE_LEFTPAD is not None:
-        start = tl.load(CACHE_LEFTPAD + b)
+        start = tl.maximum(tl.load(CACHE_LEFTPAD + b), 0)  # a negative one (unchecked device data) counts as 0
     N_K = tl.maximum(tl.minimum(seqlen + N_NEW, CAPACITY) - start, 0)
     cache_b = _cache_row(CACHE_BATCH_IDX, b)
 
