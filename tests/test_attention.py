@@ -297,7 +297,9 @@ FP32_RESULTS_SHAPES = {
         Seqlens((1000,), (1000,), 4, 4, 128),
         Seqlens((512, 1536), (512, 1536), 8, 2, 128),
         Seqlens((300, 1000, 700), (300, 1000, 700), 4, 2, 64),
-        Seqlens((300, 1000, 700), (300, 1000, 700), 4, 2, 80),  # registers stores of a tile wider than D
+        Seqlens((300, 1000, 700), (300, 1000, 700), 4, 2, 80),  # register stores of a tile wider than D
+        Seqlens((2048,), (2048,), 4, 2, 80),  # and the fused backward's
+        Seqlens((1024, 1024), (1024, 1024), 4, 2, 192),  # split D: each warpgroup's half of a 256-wide tile
     ],
 }
 

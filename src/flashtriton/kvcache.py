@@ -5,8 +5,8 @@ Semantics (per sequence b; the public API validates and documents them, params.p
   cache rows     a contiguous cache's rows are those of batch row cache_batch_idx[b] (or b); a paged cache's row r is
                  row r % page_size of page block_table[b, r // page_size]; capacity is the rows one sequence may use
   append         k_new[b, j], v_new[b, j] are written to cache row cache_seqlens[b] + j (k_new rotated first)
-  keys           cache rows [start, end): start = cache_leftpad[b] (or 0), end = cache_seqlens[b] + seqlen_new; key j
-                 is row start + j, seqlen_k = end - start
+  keys           cache rows [start, end): start = cache_leftpad[b] (or 0; clamped at 0), end = cache_seqlens[b] +
+                 seqlen_new; key j is row start + j, seqlen_k = end - start
   rotary         new key j at position cache_seqlens[b] + j; query i at cache_seqlens[b] + i if rotate_rows, else
                  every query at cache_seqlens[b] (positions index rotary_cos / rotary_sin's rows)
 

@@ -117,8 +117,9 @@ _FRAGMENTS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=
 
 
 def _fragments_view(sums: torch.Tensor, rows: int, cols: int) -> Descriptor:
-    """The fused backward's fp32 dQ sums (contiguous, shaped as dQ) as (row tile, fragment row) x (column tile,
-    config.DQ_FRAGMENT_COLS), in blocks of one rows x cols tile of dQ in kernels/hopper/dkdv.py's _fragments order."""
+    """The fused backward's fp32 dQ sums (contiguous (B, rows, H, the tiles' width)) as (row tile, fragment row) x
+    (column tile, config.DQ_FRAGMENT_COLS), in blocks of one rows x cols tile of dQ in kernels/hopper/dkdv.py's
+    _fragments order."""
     width, frag = sums.shape[-2] * sums.shape[-1], config.DQ_FRAGMENT_COLS
     tile_rows = rows * cols // frag
     shape = (sums.numel() // width // rows * tile_rows, width // cols * frag)
@@ -338,8 +339,8 @@ def _tuning_key(p: AttentionParams, head_dim: int, dtype: torch.dtype, span: int
 
 
 def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams, cfg: config.HopperBackwardConfig):
-    """dK, dV and, when dq_sums (fp32, (B, whole tiles of rows, H, D), zeroed) is given, dQ added into it by TMA
-    reductions; lse and delta in aligned rows (_aligned_rows)."""
+    """dK, dV and, when dq_sums (fp32, (B, whole tiles of rows, H, the tiles' width), zeroed) is given, dQ added
+    into it by TMA reductions; lse and delta in aligned rows (_aligned_rows)."""
     batch, n, common = _hopper_common(q, k, lse, p, cfg.rows)
     cols = common["D"] // 2 if cfg.split_d else common["D"]  # of dK and dV per warpgroup
     # dK and dV staged in the K and V tiles for TMA stores, in their dtype: fp32 results go out from registers
@@ -533,7 +534,7 @@ def _gradients(dout, dlse, q, k, v, out, lse, p: AttentionParams, r: route.Route
         recorder.add(_hopper_dkdv(q, k, v, dout, lse_rows, delta, dk, dv, None, p, r.config))
         keep(_PLANS, key, recorder)
         return *_shaped((dq, dk, dv), shapes, grad_dtype), delta
-    block_d = config.block_d(head_dim)
+    block_d = config.block_d(head_dim)  # the preprocess zeroes this many columns of the dQ sums: their width
     common = dict(H=heads, D=head_dim, BLOCK_D=block_d)
     lse_strides = _lse_strides(lse, p.varlen)
     block = config.PREPROCESS_BLOCK_M

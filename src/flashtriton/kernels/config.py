@@ -183,7 +183,7 @@ _SM90_SHORT_BACKWARD = {128: BackwardConfig(32, 128, 128, 64, 8, 2, 3, tma=True)
 
 # A head dim between the Gluon tables' widths (64, 128, 256) runs at the next (hopper_width), over the tensors' own D:
 # TMA zero-fills the columns past it on loads and drops them on stores.
-HOPPER_MIN_HEAD_DIM = 32  # at or below it the portable kernels' narrower tiles
+HOPPER_MIN_HEAD_DIM = 32  # at or below it the portable kernels are faster (DECISIONS: "Head dims between")
 
 # The Gluon forward on sm90 (kernels/hopper/forward.py), by width: faster than the portable kernel at every span.
 # O goes out through shared memory and a TMA store (stage_o) at every head dim.
@@ -322,16 +322,16 @@ def hopper_forward_config(
 ) -> HopperForwardConfig | None:
     """The Gluon forward's config, or None where it does not run (forward_config's kernel does). ``banded``: a
     causal or window bound; ``span``: keys per query row (varlen: the longest sequence's)."""
-    head_dim = hopper_width(head_dim)
-    if arch != "sm90" or dtype == torch.float32 or head_dim is None:
+    width = hopper_width(head_dim)
+    if arch != "sm90" or dtype == torch.float32 or width is None:
         return None
     if banded and span <= SHORT_BAND_SPAN:
-        return _SM90_HOPPER_FORWARD_SHORT_BAND.get(head_dim, _SM90_HOPPER_FORWARD[head_dim])
+        return _SM90_HOPPER_FORWARD_SHORT_BAND.get(width, _SM90_HOPPER_FORWARD[width])
     if banded and span >= WIDE_BAND_SPAN:
-        return _SM90_HOPPER_FORWARD_WIDE_BAND.get(head_dim, _SM90_HOPPER_FORWARD[head_dim])
+        return _SM90_HOPPER_FORWARD_WIDE_BAND.get(width, _SM90_HOPPER_FORWARD[width])
     if not banded and span >= WIDE_SPAN:
-        return _SM90_HOPPER_FORWARD_WIDE.get(head_dim, _SM90_HOPPER_FORWARD[head_dim])
-    return _SM90_HOPPER_FORWARD[head_dim]
+        return _SM90_HOPPER_FORWARD_WIDE.get(width, _SM90_HOPPER_FORWARD[width])
+    return _SM90_HOPPER_FORWARD[width]
 
 
 def hopper_backward_config(arch: str, head_dim: int, dtype: torch.dtype) -> HopperBackwardConfig | None:

@@ -11,8 +11,9 @@ Notation
   TILE_PAGES   pages hold a whole BLOCK_N tile: a tile's rows lie in two pages at most, read from the block table
                as two scalars instead of one entry per row
   start, end   sequence b's keys are its cache rows [start, CACHE_SEQLENS[b] + N_NEW) within the CAPACITY:
-               start = CACHE_LEFTPAD[b] (or 0), key j is row start + j, N_K of them; the masks are params.py's with
-               offset = end - N_Q, end = CACHE_SEQLENS[b] + N_NEW - start (rows past the cache, dropped, count)
+               start = CACHE_LEFTPAD[b] (or 0; clamped at 0), key j is row start + j, N_K of them; the masks are
+               params.py's with offset = end - N_Q, end = CACHE_SEQLENS[b] + N_NEW - start (rows past the cache,
+               dropped, count)
   D, BLOCK_D   head dim, rounded up to a power of two (columns >= D masked)
   ROWS         GROUP * N_Q packed query rows of one K/V head: row r is query r // GROUP of head hk * GROUP + r % GROUP
   BLOCK_M      packed rows per program; BLOCK_N cache rows per inner step

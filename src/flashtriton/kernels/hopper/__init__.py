@@ -14,11 +14,11 @@ three kinds of partition (config.py's HOPPER_* constants give their warps and re
   dkdv.py      attention_backward_dkdv_sm90_kernel: dK, dV and, fused, dQ by TMA reductions
   dq.py        attention_backward_dq_sm90_kernel: dQ and delta without atomics (deterministic=True)
 
-Scope (triton_backend dispatches everything else to the portable kernels): bf16/fp16, head dims with a config row,
-no softcap / ALiBi / dropout / block mask / score_mod; no mask, causal, or a causal sliding window; self-attention
-(seqlen_q == seqlen_k, or the same cu_seqlens) of any length (a sequence that ends inside a tile sets RAGGED: keys
-and rows past its end masked); layouts TMA reads through rank-4 descriptors (primitives.py); a Triton whose private
-API triton_compat.PRIVATE_API_OK accepts.
+Scope (triton_backend dispatches everything else to the portable kernels): bf16/fp16, head dims 33 to 256
+(config.hopper_width), no softcap / ALiBi / dropout / block mask / score_mod; no mask, causal, or a causal sliding
+window; self-attention (seqlen_q == seqlen_k, or the same cu_seqlens) of any length (a sequence that ends inside a tile
+sets RAGGED: keys and rows past its end masked); layouts TMA reads through rank-4 descriptors (primitives.py); a Triton
+whose private API triton_compat.PRIVATE_API_OK accepts.
 """
 
 from .dkdv import attention_backward_dkdv_sm90_kernel

@@ -4,7 +4,7 @@ Notation
   B, H, HKV    batch, query heads, key/value heads; GROUP = H // HKV query heads share a K/V head
   N            sequence length, of queries and keys alike (self-attention); VARLEN: the longest, sequence b being
                rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] of the packed batch. RAGGED: some sequence ends inside a tile
-  D            head dim
+  D            the tiles' width (64, 128, 256); HEAD_D <= D the tensors' head dim (primitives.py)
   BLOCK_M      query rows per streamed step
   BLOCK_N      keys of one consumer warpgroup (SPLIT_D: of both, each taking D / 2 columns)
   KEYS         keys per program: 2 * BLOCK_N, or BLOCK_N with SPLIT_D

@@ -4,7 +4,7 @@ Notation
   B, H, HKV    batch, query heads, key/value heads; GROUP = H // HKV query heads share a K/V head
   N            sequence length, of queries and keys alike (self-attention); VARLEN: the longest, sequence b being
                rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] of the packed batch. RAGGED: some sequence ends inside a tile
-  D            head dim
+  D            the tiles' width (64, 128, 256); HEAD_D <= D the tensors' head dim (primitives.py)
   BLOCK_M      query rows of one consumer warpgroup; a program has two
   BLOCK_N      keys per streamed K/V tile
 
@@ -129,12 +129,12 @@ def attention_backward_dq_sm90_kernel(
     CU_SEQLENS, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, RAGGED: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
-    """Grid (cdiv(N, 2 * BLOCK_M), B * H): dQ (and delta) of 2 * BLOCK_M query rows, laid out as the forward's
-    program, K/V tiles through a ring of STAGES slots; O: the forward's output and DQ, (B, N, H, D) with the strides
-    given (dQ also through dq_desc, or where that is None from registers alone: fp32 results, for which the Q tile
-    that stages a TMA store has no room). LSE, DLSE: strides stride_lb, stride_lh; DELTA and LSE_ROWS (LSE's copy): the
-    aligned rows that the dK/dV kernel reads (stride_rb, stride_rh; primitives.rows_start). D: the tiles' width,
-    HEAD_D <= D the tensors' (primitives.py)."""
+    """Grid (cdiv(N, 2 * BLOCK_M), B * H): dQ (and delta) of 2 * BLOCK_M query rows, laid out as the forward's program,
+    K/V tiles through a ring of STAGES slots; O: the forward's output and DQ, (B, N, H, HEAD_D) with the strides given
+    (dQ also through dq_desc, or where that is None from registers alone: fp32 results, for which the Q tile that stages
+    a TMA store has no room). LSE, DLSE: strides stride_lb, stride_lh; DELTA and LSE_ROWS (LSE's copy): the aligned rows
+    that the dK/dV kernel reads (stride_rb, stride_rh; primitives.rows_start). D: the tiles' width, HEAD_D <= D the
+    tensors' (primitives.py)."""
     pid_bh = head_program()
     b = pid_bh // H
     h = pid_bh % H

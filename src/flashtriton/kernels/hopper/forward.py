@@ -4,7 +4,7 @@ Notation
   B, H, HKV    batch, query heads, key/value heads; GROUP = H // HKV query heads share a K/V head
   N            sequence length, of queries and keys alike (self-attention); VARLEN: the longest, sequence b being
                rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] of the packed batch. RAGGED: some sequence ends inside a tile
-  D            head dim
+  D            the tiles' width (64, 128, 256); HEAD_D <= D the tensors' head dim (primitives.py)
   BLOCK_M      query rows of one consumer warpgroup; a tile is CONSUMERS * BLOCK_M rows of one head
   BLOCK_N      keys per streamed K/V tile
   CONSUMERS    consumer warpgroups per program (2 or 3)

@@ -273,7 +273,8 @@ def store_rows(ptr, strides, coord, value, n_rows, HEAD_D: gl.constexpr):
     base += coord[2].to(gl.int64) * strides[2]  # a model's (B, H, N, D) storage: heads N * D apart
     offsets = gl.expand_dims(rows.to(gl.int64), 1) * strides[1] + gl.expand_dims(coord[3] + cols, 0)
     mask = gl.expand_dims(rows < n_rows, 1)
-    if HEAD_D % value.shape[1] != 0:  # the tensor's D ends inside some tile's columns
+    # pieces are at least half a tile and HEAD_D more than half of it: none lies wholly past HEAD_D
+    if HEAD_D % value.shape[1] != 0:
         mask = mask & gl.expand_dims(coord[3] + cols < HEAD_D, 0)
     gl.store(base + offsets, value.to(ptr.dtype.element_ty), mask=mask)
 
