@@ -23,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtriton
 from flashtriton import route, triton_backend
+from flashtriton.bench.results import environment
 from flashtriton.kernels import config
 
 # (batch, seqlen, heads, head_dim, causal)
@@ -88,9 +89,8 @@ def main() -> None:
                   f"gluon {row['gluon']:.3f} portable {row['portable']:.3f} cudnn {row['cudnn']:.3f} ms | "
                   f"cudnn/gluon {row['cudnn'] / row['gluon']:.3f} portable/gluon {row['portable'] / row['gluon']:.3f}",
                   flush=True)  # fmt: skip
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        json.dump({"environment": environment(), "rows": rows}, f, indent=1)  # GPU, driver, versions, commit
 
 
 if __name__ == "__main__":
