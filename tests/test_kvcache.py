@@ -34,6 +34,7 @@ class Case:
     rotary_dim: int = 0
     interleaved: bool = True
     int_seqlens: bool = False
+    sinks: bool = False  # head 0's sink -inf (none), the others' finite
     dtype: torch.dtype = torch.float16
     options: dict = field(default_factory=dict)  # causal, window_size, softcap, softmax_scale
     alibi: bool = False
@@ -94,6 +95,8 @@ def _cases(tiny: bool) -> list[Case]:
         "head-dim-256-bf16": replace(base, head_dim=256, heads=2, heads_k=1, n_q=2, dtype=torch.bfloat16),
         "gqa-16-rows-80": replace(base, heads=16, heads_k=1, n_q=5, n_new=5, options=dict(causal=True)),
         "append-20": replace(base, seqlens=(5, 17), n_new=20, n_q=1),
+        "sinks-leftpad-causal": replace(base, sinks=True, leftpad=(2, 6), n_q=3, n_new=2, options=dict(causal=True)),
+        "sinks-no-keys": replace(base, sinks=True, seqlens=(9, 0), n_new=0, n_q=2, options=dict(causal=True)),
         "rotary-leftpad": replace(base, leftpad=(2, 10), rotary_dim=8, n_q=2, n_new=2, options=dict(causal=True)),
         # a window of the capacity or more is none: no mask, so the queries share one rotary position
         "window-of-capacity": replace(
@@ -169,6 +172,9 @@ def _inputs(case: Case, device: str) -> Inputs:
         kwargs["rotary_interleaved"] = case.interleaved
     if case.alibi:
         kwargs["alibi_slopes"] = torch.rand(batch, case.heads, device=device)
+    if case.sinks:
+        kwargs["sinks"] = (2 * torch.randn(case.heads, device=device)).index_fill(0, torch.tensor([0], device=device),
+                                                                                 float("-inf"))  # fmt: skip
     new = (randn(batch, case.n_new, case.heads_k, d) for _ in range(2)) if case.n_new else (None, None)
     return Inputs(randn(batch, case.n_q, case.heads, d), randn(*shape), randn(*shape), *new, kwargs)
 
@@ -248,6 +254,8 @@ def _reference(case: Case, inputs: Inputs, k: torch.Tensor, v: torch.Tensor, com
         valid = valid & (rows >= query_rows - left)
     scores = scores.masked_fill(~valid[:, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (b, h, i); -inf where a row sees no key
+    if case.sinks:  # one more logit per row, no value: a row that sees no key has the sink alone
+        lse = torch.logaddexp(lse, kwargs["sinks"].to(dtype)[None, :, None])
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
     out = torch.einsum("bhij,bjhd->bihd", probs, v)
     return out, lse.masked_fill(lse.isneginf(), float("inf")).float()
@@ -552,8 +560,9 @@ def test_bad_input_says_the_fix_before_any_launch(name, monkeypatch):
 
 @pytest.mark.parametrize("backend", TARGETS, indirect=True, ids=str)
 def test_compiles_without_graph_breaks_and_mutates_the_cache(backend):
-    """torch.compile(fullgraph=True) traces the op (aot_eager on CPU, as test_compile.py): the same out and cache."""
-    case = Case(seqlens=(4, 20), n_q=2, n_new=2, rotary_dim=8, options=dict(causal=True))
+    """torch.compile(fullgraph=True) traces the op (aot_eager on CPU, as test_compile.py), sinks included: the same
+    out and cache."""
+    case = Case(seqlens=(4, 20), n_q=2, n_new=2, rotary_dim=8, sinks=True, options=dict(causal=True))
     inputs = _inputs(case, backend.device)
 
     def step(q, k_cache, v_cache, k, v):

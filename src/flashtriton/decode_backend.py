@@ -31,7 +31,7 @@ _CACHE_TENSORS = tuple(f.name for f in dataclasses.fields(KVCache) if "Tensor" i
 def _inputs(q: torch.Tensor, cache: KVCache, p: AttentionParams) -> dict[str, torch.Tensor]:
     """The call's tensors by name, as a Recorder names its launches' slots."""
     tensors = {name: getattr(cache, name) for name in _CACHE_TENSORS}
-    tensors.update(q=q, alibi_slopes=p.alibi_slopes)
+    tensors.update(q=q, alibi_slopes=p.alibi_slopes, sinks=p.sinks)
     return {name: x for name, x in tensors.items() if x is not None}
 
 
@@ -118,7 +118,7 @@ def forward(
     n = cache.capacity + n_q
     recorder.add(_SPLIT.bind((batch * heads_k, cfg.splits, cdiv(rows, cfg.block_m)))(
         q, cache.k_cache, cache.v_cache, o_split, lse_split, cache.cache_seqlens, cache.cache_batch_idx,
-        cache.cache_leftpad, p.alibi_slopes,
+        cache.cache_leftpad, p.alibi_slopes, p.sinks if cfg.splits == 1 else None,
         *q.stride()[:3], *cache.k_cache.stride()[:3], *cache.v_cache.stride()[:3], *o_strides, *lse_strides,
         N_Q=n_q, N_NEW=cache.seqlen_new, H=heads, HKV=heads_k,
         GROUP=heads // heads_k, SPLITS=cfg.splits, qk_scale=scale * LOG2E,
@@ -133,7 +133,7 @@ def forward(
     ))  # fmt: skip
     if cfg.splits > 1:
         recorder.add(_COMBINE.bind((batch * n_q * heads,))(
-            o_split, lse_split, out, lse, batch * n_q * heads, n_q, heads, cfg.splits, p.empty_lse,
+            o_split, lse_split, out, lse, p.sinks, batch * n_q * heads, n_q, heads, cfg.splits, p.empty_lse,
             D=head_dim, BLOCK_D=config.block_d(head_dim), BLOCK_S=config.next_power_of_2(cfg.splits),
             num_warps=config.DECODE_COMBINE_WARPS,
         ))  # fmt: skip

@@ -82,6 +82,7 @@ def forward(
         out_b, lse_b = attention_reference(
             q[b : b + 1], k_b, v_b, p.softmax_scale, compute_dtype=torch.float32,
             window_size=(p.window_left, p.window_right), softcap=p.softcap, alibi_slopes=slopes, mask=mask,
+            sinks=p.sinks,
         )  # fmt: skip
         out[b], lse[b] = out_b[0], lse_b[0]
     return out, lse if p.write_lse else None

@@ -429,6 +429,7 @@ def flash_attn_with_kvcache(
     alibi_slopes: torch.Tensor | None = None,
     num_splits: int = 0,
     return_softmax_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of q against a KV cache, after appending k, v to it in place: flash_attn's inference API.
 
@@ -459,6 +460,8 @@ def flash_attn_with_kvcache(
     num_splits: programs that share each sequence's keys (their partial results merged by log-sum-exp); 0 chooses
         from the shapes and the GPU's SM count, 1 is one pass. At most 128, and at most the cache's key tiles.
     return_softmax_lse: also return the LSE (batch, nheads, seqlen_q), fp32, natural log.
+    sinks: (nheads,) learnable attention sinks, as flash_attn_func's (not in flash_attn): a row that sees no key gets
+        out 0 and LSE sinks[h].
 
     Values of tensor arguments (cache_seqlens, cache_batch_idx, cache_leftpad, block_table) are never read on the
     host, so a call captures in a CUDA graph (the Triton path; the PyTorch path reads them); they are therefore not
@@ -482,7 +485,7 @@ def flash_attn_with_kvcache(
     window = tuple(-1 if w >= capacity else w for w in check_window(window_size))
     params = _params(
         q, k_cache, v_cache, softmax_scale, causal, window, softcap, alibi_slopes, 0.0, False, return_softmax_lse,
-        q.shape[0], gradients=False,
+        q.shape[0], gradients=False, sinks=sinks,
     )  # fmt: skip
     cache = KVCache(
         k_cache, v_cache, k, v, *map(_contiguous, (cache_seqlens, cache_batch_idx, cache_leftpad, block_table)),

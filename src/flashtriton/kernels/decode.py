@@ -152,7 +152,7 @@ def append_kv_kernel(
     do_not_specialize=["CAPACITY", "seqlen_ro", "N_Q", "N_NEW", "SPLITS", "window_left", "window_right", "rotary_step"]
 )
 def decode_split_kernel(
-    Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_BATCH_IDX, CACHE_LEFTPAD, ALIBI_SLOPES,
+    Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_BATCH_IDX, CACHE_LEFTPAD, ALIBI_SLOPES, SINKS,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_os, stride_ob, stride_om, stride_oh,
@@ -165,7 +165,9 @@ def decode_split_kernel(
     INTERLEAVED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """rotary_step: 1 rotates query i at CACHE_SEQLENS[b] + i, 0 every query at CACHE_SEQLENS[b] (flash_attn's rule,
-    interface.py). UPCAST: products in fp32 (Triton's interpreter computes bf16 tl.dot wrongly)."""
+    interface.py). SINKS: (H,) fp32 logits that join each row's softmax (params.py), given only with SPLITS = 1 (split
+    partials leave them to the combine). UPCAST: products in fp32 (Triton's interpreter computes bf16 tl.dot
+    wrongly)."""
     ALIBI: tl.constexpr = ALIBI_SLOPES is not None
     pid = tl.program_id(0)
     b = (pid // HKV).to(tl.int64)
@@ -239,7 +241,15 @@ def decode_split_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
-    # epilogue: rows that saw no key get O = 0 and LSE = empty_lse (-inf partial, +inf final)
+    if SINKS is not None:  # one more logit per row: into the max and the sum, none into O
+        sink = tl.load(SINKS + h, mask=row_ok, other=float("-inf")) * LOG2E
+        m_new = tl.maximum(m_i, sink)
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key and no sink (-inf): as without
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.math.exp2(sink - m_shift)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    # epilogue: rows that saw no key (nor a sink) get O = 0 and LSE = empty_lse (-inf partial, +inf final)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, empty_lse, (m_i + tl.math.log2(l_safe)) * LN2)
@@ -252,21 +262,26 @@ def decode_split_kernel(
 
 @triton.jit(do_not_specialize=["ROWS", "N_Q", "H", "SPLITS"])
 def decode_combine_kernel(
-    O_PART, LSE_PART, O, LSE, ROWS, N_Q, H, SPLITS, empty_lse,
+    O_PART, LSE_PART, O, LSE, SINKS, ROWS, N_Q, H, SPLITS, empty_lse,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     """Row r = (b * N_Q + i) * H + h of O (contiguous (B, N_Q, H, D)) from O_PART (SPLITS, ROWS, D) and LSE_PART
-    (SPLITS, ROWS): O = sum_s exp(LSE_s - LSE) O_s with LSE = log sum_s exp(LSE_s); a row empty in every split
-    gets O = 0 and LSE = empty_lse."""
+    (SPLITS, ROWS): O = sum_s exp(LSE_s - LSE) O_s with LSE = log(sum_s exp(LSE_s) + exp(SINKS[h])) (no SINKS: no
+    term); a row empty in every split, with no sink, gets O = 0 and LSE = empty_lse."""
     r = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, BLOCK_S)
     split_ok = splits < SPLITS
     part = splits.to(tl.int64) * ROWS + r
     lse = tl.load(LSE_PART + part, mask=split_ok, other=float("-inf"))
     m = tl.max(lse, 0)
+    if SINKS is not None:
+        sink = tl.load(SINKS + r % H)
+        m = tl.maximum(m, sink)
     empty = m == float("-inf")
     weights = tl.math.exp2((lse - tl.where(empty, 0.0, m)) * LOG2E)  # an empty split's -inf weighs 0
     total = tl.sum(weights, 0)
+    if SINKS is not None:
+        total += tl.math.exp2((sink - tl.where(empty, 0.0, m)) * LOG2E)
     cols = tl.arange(0, BLOCK_D)
     o = tl.load(O_PART + part[:, None] * D + cols[None, :], mask=split_ok[:, None] & (cols[None, :] < D), other=0.0)
     out = tl.sum(weights[:, None] * o, 0) / tl.where(empty, 1.0, total)
