@@ -13,9 +13,10 @@ import itertools
 import pytest
 import torch
 
-from flashtriton import flash_attn_func, flash_attn_varlen_func, route, triton_backend
+from flashtriton import flash_attn_func, flash_attn_varlen_func, ops, route, triton_backend
 from flashtriton.kernels import config
-from flashtriton.params import AttentionParams
+from flashtriton.launch import Recorder
+from flashtriton.params import NO_BOUND, AttentionParams
 from flashtriton.validation import host_read
 from helpers import assert_close_to_reference, hopper, reference_outputs
 
@@ -236,3 +237,51 @@ def test_ragged_lengths_repeat_bitwise(monkeypatch):
         runs.append((out, *torch.autograd.grad(out, leaves, dout)))
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(run, runs[0], strict=True))
+
+
+# (n, head dim, causal, deterministic): the pair's dQ kernel, the fused backward's dQ conversion, split D
+PADDED = [(1000, 80, True, False), (1000, 80, True, True), (2100, 80, False, False), (700, 192, True, False)]
+
+
+@pytest.mark.parametrize("n,head_dim,causal,deterministic", PADDED, ids=[f"n{n}-d{d}" + "-causal" * c + "-det" * t
+                                                                          for n, d, c, t in PADDED])  # fmt: skip
+def test_stores_keep_to_the_head_dim(n, head_dim, causal, deterministic, monkeypatch):
+    """Results stored from registers (fp32 results, as ring steps ask for) of tiles wider than the head dim write
+    its columns only: out, dq, dk and dv each land in a view of a NaN-filled buffer as wide as the tiles, whose
+    columns past the head dim stay NaN (an overrun into a neighbour's columns would be written over by the neighbour
+    in some orders only). On a Hopper GPU the Gluon kernels (asserted), elsewhere the portable ones in Triton's
+    interpreter, at a short length."""
+    gluon = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+    if not gluon and not route.interpreting():
+        pytest.skip("needs a Hopper GPU or Triton's interpreter")
+    device, n = ("cuda", n) if gluon else ("cpu", 70)
+    monkeypatch.setenv("FLASHTRITON_BACKEND", "triton")
+    calls = _spy(monkeypatch)
+    buffers = []
+
+    def padded(recorder, name, shape, dtype, device):
+        buffer = torch.full((*shape[:-1], config.block_d(head_dim)), float("nan"), dtype=dtype, device=device)
+        buffers.append(buffer)
+        recorder.replayable = False  # (a plan would allocate it contiguous)
+        recorder.tensors[name] = view = buffer[..., : shape[-1]]
+        return view
+
+    empty, empty_like = Recorder.empty, Recorder.empty_like
+    monkeypatch.setattr(Recorder, "empty", lambda self, name, shape, dtype, device, strides=None: (
+        padded(self, name, tuple(shape), dtype, device) if name == "out" else
+        empty(self, name, shape, dtype, device, strides)))  # fmt: skip
+    monkeypatch.setattr(Recorder, "empty_like", lambda self, name, x, dtype=None: (
+        padded(self, name, tuple(x.shape), dtype or x.dtype, x.device) if name in ("dq", "dk", "dv") else
+        empty_like(self, name, x, dtype)))  # fmt: skip
+    q, k, v, dout = (torch.randn(2, n, h, head_dim, device=device, dtype=torch.bfloat16) for h in (4, 2, 2, 4))
+    params = AttentionParams(head_dim**-0.5, window_right=0 if causal else NO_BOUND, deterministic=deterministic,
+                             fp32_results=True)  # fmt: skip
+    out, lse = ops.forward(q, k, v, params)
+    dlse = torch.zeros_like(lse)
+    grads = ops.backward(dout, dlse, q, k, v, out.to(q.dtype), lse, params)[:3]
+    assert len(buffers) == 4 and all(b.dtype == torch.float32 for b in buffers)
+    for name, buffer in zip(("out", "dq", "dk", "dv"), buffers, strict=True):
+        assert buffer[..., head_dim:].isnan().all(), f"{name} written past the head dim"
+    _check(f"d{head_dim} fp32", (out, lse, *grads), q, k, v, dout, dlse, causal)
+    if gluon:
+        assert calls[0] == "_hopper_forward" and "_hopper_dkdv" in calls
