@@ -285,3 +285,35 @@ def test_stores_keep_to_the_head_dim(n, head_dim, causal, deterministic, monkeyp
     _check(f"d{head_dim} fp32", (out, lse, *grads), q, k, v, dout, dlse, causal)
     if gluon:
         assert calls[0] == "_hopper_forward" and "_hopper_dkdv" in calls
+
+
+# (head dim, dtype, a): scores about -a^2 sqrt(D), so each row's LSE is very negative (fp16: below -11, where
+# exp(-LSE) passes fp16's largest; bf16: below -88, past fp32's)
+NEGATIVE = [(64, torch.float16, 1.6), (128, torch.float16, 1.6), (256, torch.float16, 1.6), (64, torch.bfloat16, 4.0),
+            (128, torch.bfloat16, 4.0)]  # fmt: skip
+
+
+@pytest.mark.parametrize("head_dim,dtype,a", NEGATIVE, ids=[f"d{d}-{str(t)[6:]}" for d, t, _ in NEGATIVE])
+def test_very_negative_lse_keeps_gradients_finite(head_dim, dtype, a, monkeypatch):
+    """A dense sequence that ends inside a key tile, whose rows' LSE is very negative: a key past the end (TMA's
+    zeros) would have P = exp(-LSE), which overflows, and dS times those zeros would be NaN in dQ; masked, the
+    gradients are finite and match the reference (D=64 fused, 128 the pair, 256 split D). On a Hopper GPU the Gluon
+    kernels, elsewhere the portable ones in Triton's interpreter, at a short length."""
+    gluon = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+    if not gluon and not route.interpreting():
+        pytest.skip("needs a Hopper GPU or Triton's interpreter")
+    device, n = ("cuda", 1000) if gluon else ("cpu", 70)
+    monkeypatch.setenv("FLASHTRITON_BACKEND", "triton")
+
+    def near(value, heads):
+        return (value + 0.1 * torch.randn(2, n, heads, head_dim, device=device)).to(dtype).requires_grad_()
+
+    q, k, v = near(a, 4), near(-a, 2), near(0.0, 2)
+    v.data.normal_()
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
+    assert lse.max() < (-11 if dtype == torch.float16 else -88)
+    dout = torch.randn_like(out)
+    dlse = torch.zeros_like(lse)
+    torch.autograd.backward((out, lse), (dout, dlse))
+    assert all(x.grad.isfinite().all() for x in (q, k, v))
+    _check(f"d{head_dim} lse {lse.max().item():.0f}", (out, lse, q.grad, k.grad, v.grad), q, k, v, dout, dlse, False)
