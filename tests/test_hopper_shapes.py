@@ -239,6 +239,16 @@ def test_ragged_lengths_repeat_bitwise(monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(run, runs[0], strict=True))
 
 
+def _kernels_here(n: int, monkeypatch) -> tuple[str, int, bool]:
+    """(device, length, whether the Gluon kernels run) for a test of the Triton kernels: a Hopper GPU's at length n,
+    else the portable kernels in Triton's interpreter at a short length; skipped elsewhere."""
+    gluon = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+    if not gluon and not route.interpreting():
+        pytest.skip("needs a Hopper GPU or Triton's interpreter")
+    monkeypatch.setenv("FLASHTRITON_BACKEND", "triton")
+    return ("cuda", n, True) if gluon else ("cpu", 70, False)
+
+
 # (n, head dim, causal, deterministic): the pair's dQ kernel, the fused backward's dQ conversion, split D
 PADDED = [(1000, 80, True, False), (1000, 80, True, True), (2100, 80, False, False), (700, 192, True, False)]
 
@@ -251,11 +261,7 @@ def test_stores_keep_to_the_head_dim(n, head_dim, causal, deterministic, monkeyp
     columns past the head dim stay NaN (an overrun into a neighbour's columns would be written over by the neighbour
     in some orders only). On a Hopper GPU the Gluon kernels (asserted), elsewhere the portable ones in Triton's
     interpreter, at a short length."""
-    gluon = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-    if not gluon and not route.interpreting():
-        pytest.skip("needs a Hopper GPU or Triton's interpreter")
-    device, n = ("cuda", n) if gluon else ("cpu", 70)
-    monkeypatch.setenv("FLASHTRITON_BACKEND", "triton")
+    device, n, gluon = _kernels_here(n, monkeypatch)
     calls = _spy(monkeypatch)
     buffers = []
 
@@ -299,11 +305,7 @@ def test_very_negative_lse_keeps_gradients_finite(head_dim, dtype, a, monkeypatc
     zeros) would have P = exp(-LSE), which overflows, and dS times those zeros would be NaN in dQ; masked, the
     gradients are finite and match the reference (D=64 fused, 128 the pair, 256 split D). On a Hopper GPU the Gluon
     kernels, elsewhere the portable ones in Triton's interpreter, at a short length."""
-    gluon = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-    if not gluon and not route.interpreting():
-        pytest.skip("needs a Hopper GPU or Triton's interpreter")
-    device, n = ("cuda", 1000) if gluon else ("cpu", 70)
-    monkeypatch.setenv("FLASHTRITON_BACKEND", "triton")
+    device, n, _ = _kernels_here(1000, monkeypatch)
 
     def near(value, heads):
         return (value + 0.1 * torch.randn(2, n, heads, head_dim, device=device)).to(dtype).requires_grad_()
