@@ -75,6 +75,13 @@ def test_tma_view_only_for_layouts_the_copy_engine_can_read():
     assert triton_backend._tma_view(x[:1, :1], 8, 16, enabled=True).shape == [1, 48]
 
 
+def test_dkdv_steps_read_whole_lse_rows():
+    """The Gluon dK/dV kernel reads LSE and delta block_m rows at a time from rows padded to LSE_ROWS_ALIGN: a step
+    stays within its head's rows only while block_m divides the alignment."""
+    for width, cfg in config._SM90_HOPPER_BACKWARD.items():
+        assert config.LSE_ROWS_ALIGN % cfg.block_m == 0, (width, cfg.block_m)
+
+
 def test_hopper_scope():
     """The Gluon kernels take plain dense, causal or causal sliding-window self-attention of any length; the portable
     kernels run the rest (the kernels' results are tested against the reference in test_attention)."""
