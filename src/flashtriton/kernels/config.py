@@ -435,9 +435,8 @@ DECODE_MIN_SPLIT_KEYS = 256  # cache rows per split at least: each split costs a
 # SMs only once left it idle (benchmarks/DECISIONS.md, "Decoding")
 DECODE_PROGRAMS_PER_SM = 8
 DECODE_COMBINE_WARPS = 4
-# Paged caches whose pages hold a tile read a tile's page (two entries: it may cross one) instead of each row's: on an
-# H200 faster at 32k and 128k rows (B1 32k -6%, B8 128k -4.5 to -11%), slower at 4k (B64 +5%); 16k, between them,
-# is a guess (unmeasured)
+# Paged caches whose pages hold a tile read a tile's page (two entries: it may cross one) instead of each row's:
+# measured faster at 32k and 128k rows, slower at 4k (DECISIONS, "Decoding"); 16k, between them, is a guess
 DECODE_TILE_PAGES_MIN_CAPACITY = 16384
 INTERPRETER_SMS = 4  # the SM count the interpreter's split choice assumes (caches of 512+ rows then split)
 # (max head dim, block_n, num_warps, num_stages) for 2-byte dtypes on CUDA GPUs, 16 KB K and V tiles each; fp32
