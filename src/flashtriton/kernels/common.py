@@ -256,6 +256,16 @@ def tile_mask(
 
 
 @triton.jit
+def add_sink(acc, m_i, l_i, sink):
+    """A row's online softmax (acc, running max m_i and sum l_i, base 2) with one more logit, ``sink`` (base 2): mass
+    in the sum, nothing in acc. A row with no key and no sink (-inf) stays empty (l_i = 0)."""
+    m_new = tl.maximum(m_i, sink)
+    m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_new)
+    return acc * alpha[:, None], m_new, l_i * alpha + tl.math.exp2(sink - m_new)
+
+
+@triton.jit
 def dropout_keep(seed, b, h, q_idx, k_idx, threshold):
     """flashtriton.dropout's keep-mask of (sequence b, query head h) at broadcastable q_idx, k_idx (int32)."""
     zero = q_idx * 0 + k_idx * 0

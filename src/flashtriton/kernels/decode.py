@@ -43,7 +43,7 @@ Offsets: batch, page and head offsets are 64-bit; cache row numbers and position
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, logits, visible, wide
+from .common import LN2, LOG2E, add_sink, logits, visible, wide
 
 
 @triton.jit
@@ -241,14 +241,8 @@ def decode_split_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if SINKS is not None:  # one more logit per row: into the max and the sum, none into O
-        sink = tl.load(SINKS + h, mask=row_ok, other=float("-inf")) * LOG2E
-        m_new = tl.maximum(m_i, sink)
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key and no sink (-inf): as without
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.math.exp2(sink - m_shift)
-        acc = acc * alpha[:, None]
-        m_i = m_new
+    if SINKS is not None:
+        acc, m_i, l_i = add_sink(acc, m_i, l_i, tl.load(SINKS + h, mask=row_ok, other=float("-inf")) * LOG2E)
     # epilogue: rows that saw no key (nor a sink) get O = 0 and LSE = empty_lse (-inf partial, +inf final)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)

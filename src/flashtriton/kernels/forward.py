@@ -45,6 +45,7 @@ import triton.language as tl
 from .common import (
     LN2,
     LOG2E,
+    add_sink,
     band_stretch,
     dropout_keep,
     head_program,
@@ -222,14 +223,8 @@ def attention_forward_kernel(
                 DOT_PRECISION, None if i == 1 else (1 if i == 3 else EDGE_STAGES),
             )  # fmt: skip
 
-    if SINKS is not None:  # the sink as one more logit (base 2 here): mass in l_i, nothing in acc
-        sink = tl.load(SINKS + h) * LOG2E
-        m_new = tl.maximum(m_i, sink)
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key and no sink: the row stays empty
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.math.exp2(sink - m_new)
-        acc = acc * alpha[:, None]
-        m_i = m_new
+    if SINKS is not None:
+        acc, m_i, l_i = add_sink(acc, m_i, l_i, tl.load(SINKS + h) * LOG2E)
     # epilogue: normalise once; rows that saw no key (nor a sink) get O = 0 and LSE = empty_lse (+inf final, -inf
     # partial)
     empty = l_i == 0.0
