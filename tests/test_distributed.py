@@ -9,6 +9,7 @@ of CASES in its processes (distributed_worker.py) and names the case in each ass
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -25,12 +26,13 @@ from flashtriton.distributed import (
     CONTIGUOUS,
     LAYOUTS,
     ZIGZAG,
+    merge,
     ring_flash_attn_func,
     ring_flash_attn_varlen_func,
 )
 from flashtriton.distributed import layout as L
 from flashtriton.distributed import steps as S
-from helpers import FLOOR_ULPS, assert_close_to_reference, max_error, reference_outputs, target_params
+from helpers import FLOOR_ULPS, TARGETS, assert_close_to_reference, max_error, reference_outputs, target_params
 
 
 def test_zigzag_gives_rank_r_chunks_r_and_its_mirror():
@@ -187,6 +189,57 @@ def test_a_bf16_ring_is_as_accurate_as_one_call(backend, case):
             err, base = max_error(ring[name], e), max_error(single[name], e)
             floor = FLOOR_ULPS * torch.finfo(torch.float32).eps * max(1.0, e.abs().max().item())
             assert err <= 1.1 * base + floor, f"world {world} {name}: ring {err:.3e} > 1.1 x one call's {base:.3e}"
+
+
+MERGES = ["slice", "packed", "gathered-one-copy", "gathered-two-copies"]
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t.backend != "torch"], ids=str)
+@pytest.mark.parametrize("kind", MERGES)
+def test_the_merge_kernels_match_torchs_merges(target, kind, monkeypatch):
+    """The ring's fp32 merge and gradient add (distributed/merge.py) in one Triton pass against torch's ops a copy at
+    a time: a (batch, seqlen, heads, dim) slice view, a packed batch, and gathered rows with one or two copies;
+    rows empty in the accumulator, in a copy or in all give what torch gives, and rows not picked stay untouched."""
+    device, heads, head_dim, n = target.device, 3, 40, 37
+    packed = kind != "slice"
+    out = torch.randn((n, heads, head_dim) if packed else (2, n + 5, heads, head_dim), device=device)
+    lse = 3 * torch.randn((heads, n) if packed else (2, heads, n + 5), device=device)
+    targets, sources = None, ()
+    if kind.startswith("gathered"):
+        copies = 1 if kind == "gathered-one-copy" else 2
+        targets = torch.randperm(n, device=device)[:20]
+        sources = tuple(torch.randperm(copies * 20, device=device).view(copies, 20))
+        part, part_lse = torch.randn(copies * 20, heads, head_dim, device=device), torch.randn(heads, copies * 20)
+        part_lse = 3 * part_lse.to(device)
+        part_lse[:, sources[0][0]] = -math.inf  # a copy empty
+        lse[:, targets[1]] = -math.inf  # the accumulator empty
+        lse[:, targets[2]] = -math.inf
+        for rows in sources:
+            part_lse[:, rows[2]] = -math.inf  # empty everywhere
+    else:
+        part, part_lse = torch.randn_like(out), 3 * torch.randn_like(lse)
+        lse[..., 1] = part_lse[..., 2] = -math.inf
+        lse[..., 3] = part_lse[..., 3] = -math.inf
+    view = (lambda x: x) if packed else (lambda x: x[:, 2:-3] if x.dim() == 4 else x[..., 2:-3])
+    if kind == "slice":
+        part, part_lse = view(part).contiguous(), view(part_lse).contiguous()
+    results = {}
+    for backend in ("torch", target.backend):
+        monkeypatch.setenv("FLASHTRITON_BACKEND", backend)
+        o, l, g = out.clone(), lse.clone(), out.clone()
+        merge.merge(view(o), view(l), part, part_lse, targets, sources)
+        merge.add(view(g), part, targets, sources)
+        results[backend] = (o, l, g)
+    for name, ours, theirs in zip(("out", "lse", "add"), results[target.backend], results["torch"], strict=True):
+        assert not ours.isnan().any(), name
+        assert torch.equal(ours.isinf(), theirs.isinf()), name
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5, msg=name)
+    o, l, _ = results[target.backend]
+    picked = torch.zeros(o.shape[0] if packed else o.shape[1], dtype=torch.bool, device=device)
+    picked[slice(2, -3) if kind == "slice" else slice(None) if targets is None else targets] = True
+    untouched = (o[~picked], l[:, ~picked]) if packed else (o[:, ~picked], l[..., ~picked])
+    original = (out[~picked], lse[:, ~picked]) if packed else (out[:, ~picked], lse[..., ~picked])
+    assert all(torch.equal(a, b) for a, b in zip(untouched, original, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

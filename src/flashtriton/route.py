@@ -81,6 +81,12 @@ def _backend(device: torch.device, dtype: torch.dtype) -> str:
     return "triton"
 
 
+def merge_backend(device: torch.device) -> str:
+    """TORCH or "triton" for the ring's fp32 merges (distributed/merge.py): Triton wherever the kernels serve a
+    half-precision call on ``device``, whatever dtype the ring's inputs are (the merges' own are fp32)."""
+    return _backend(device, torch.bfloat16)
+
+
 def arch(device: torch.device) -> str:
     """The kernel tables' name for the GPU: "sm90" (Hopper), "cuda" (any other), "interpreter". The Gluon kernels
     build on private Triton APIs, checked against the tested Triton: on another, the portable kernels serve Hopper."""

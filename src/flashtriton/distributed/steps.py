@@ -20,8 +20,8 @@ A packed varlen batch follows the same rule document by document, with square pi
 first half of each document's keys runs as one varlen call of two sequences per document (its first and second half
 of queries), each against a copy of the document's first-half keys; a step that takes the second half of the queries
 runs its copies against the first and the second half of the keys. Queries and keys then share cu_seqlens, which
-the Hopper varlen kernels take. The copies are gathered (Gather) and their results merged or added back one copy at a
-time, so every local row is written once per scatter (deterministic without atomics).
+the Hopper varlen kernels take. The copies are gathered (Gather) and their results merged or added back in one pass
+that reads both copies of a row (merge.py), so every local row is written once (deterministic without atomics).
 
 Every partial result comes with its LSE (empty rows: -inf, so they weigh nothing) and is merged into fp32
 accumulators. The backward of a step is the kernel's backward given the *merged* out and LSE: then exp(S - LSE)
@@ -47,17 +47,19 @@ import torch
 from .. import ops
 from ..params import NO_BOUND, AttentionParams, lse_shape
 from .layout import ZIGZAG, rank_chunks
+from .merge import add, merge
 
 ALL = slice(None)
 
 
 @dataclass(frozen=True)
 class Gather:
-    """A call's rows gathered from a shard's packed rows: the call's row i is the shard's row order[i]. copies split
-    the call's rows into groups in which each shard row appears once: (call rows, shard rows) pairs."""
+    """A call's rows gathered from a shard's packed rows: the call's row i is the shard's row order[i]. Each shard
+    row of ``targets`` appears once in every copy: at call rows sources[0][i], sources[1][i] (merge.py)."""
 
     order: torch.Tensor
-    copies: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    targets: torch.Tensor
+    sources: tuple[torch.Tensor, ...]
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,7 @@ def _copies(first: torch.Tensor, second: torch.Tensor, rows: torch.Tensor, devic
     places of a document hold copies of ``rows``'s rows of that document."""
     order = torch.empty(len(first) + len(second), dtype=torch.int64, device=device)
     order[first], order[second] = rows, rows
-    return Gather(order, ((first, rows), (second, rows)))
+    return Gather(order, rows, (first, second))
 
 
 def dense_plan(
@@ -207,20 +209,6 @@ def _seq(x: torch.Tensor, rows: slice) -> torch.Tensor:
     return x[:, rows] if x.dim() == 4 else x[rows]
 
 
-def _weights(lse: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """LSE-shaped weights ((batch, heads, seqlen) or (heads, total)) broadcast against out-shaped ``like``."""
-    return (lse.transpose(1, 2) if like.dim() == 4 else lse.t()).unsqueeze(-1)
-
-
-def merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
-    """Adds a partial result (part_out, part_lse) over other keys into the fp32 accumulators (out, lse) of the same
-    rows, in place, weighting each by exp(its LSE - the merged LSE). Rows empty in both stay out 0, LSE -inf."""
-    total = torch.logaddexp(lse, part_lse)
-    shift = total.masked_fill(total == -math.inf, 0.0)  # exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN
-    out.mul_(_weights(torch.exp(lse - shift), out)).add_(part_out * _weights(torch.exp(part_lse - shift), out))
-    lse.copy_(total)
-
-
 def first_forward(own: tuple[Step, ...], q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The rank's own step: the fp32 accumulators (out, lse) it starts (one call of every row and key, or pieces
     merged into empty accumulators)."""
@@ -246,12 +234,8 @@ def forward_step(pieces: tuple[Step, ...], q, kv, out: torch.Tensor, lse: torch.
         part_out, part_lse = ops.forward(_rows(q, step.rows, step.queries), k, v, step.params)
         if step.queries is None:
             merge(_seq(out, step.rows), lse[..., step.rows], part_out, part_lse)
-            continue
-        for call_rows, rows in step.queries.copies:  # a copy at a time: each row merged once per pass
-            acc_out, acc_lse = out.index_select(0, rows), lse.index_select(-1, rows)
-            merge(acc_out, acc_lse, part_out.index_select(0, call_rows), part_lse.index_select(-1, call_rows))
-            out.index_copy_(0, rows, acc_out)
-            lse.index_copy_(-1, rows, acc_lse)
+        else:
+            merge(out, lse, part_out, part_lse, step.queries.targets, step.queries.sources)
 
 
 def finish_forward(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,10 +268,9 @@ def backward_step(pieces: tuple[Step, ...], dout, dlse, q, kv, out, lse, dq: tor
             _rows(lse, rows, gather, -1), step.backward_params,
         )  # fmt: skip
         if gather is None:
-            _seq(dq, rows).add_(part_dq)
+            add(_seq(dq, rows), part_dq)
         else:
-            for call_rows, local in gather.copies:
-                dq.index_add_(0, local, part_dq.index_select(0, call_rows))
+            add(dq, part_dq, gather.targets, gather.sources)
         shares.append((step, dk, dv))
     return shares
 
@@ -295,13 +278,12 @@ def backward_step(pieces: tuple[Step, ...], dout, dlse, q, kv, out, lse, dq: tor
 def add_kv_grads(dkv: torch.Tensor, shares: list[tuple]) -> None:
     """Adds a step's (dK, dV) shares into the fp32 accumulator of the shard it ran against."""
     for step, dk, dv in shares:
-        if step.keys_from is None:
-            _seq(dkv[0], step.keys).add_(dk)
-            _seq(dkv[1], step.keys).add_(dv)
-            continue
-        for call_rows, rows in step.keys_from.copies:
-            dkv[0].index_add_(0, rows, dk.index_select(0, call_rows))
-            dkv[1].index_add_(0, rows, dv.index_select(0, call_rows))
+        gather = step.keys_from
+        for acc, share in zip(dkv, (dk, dv), strict=True):
+            if gather is None:
+                add(_seq(acc, step.keys), share)
+            else:
+                add(acc, share, gather.targets, gather.sources)
 
 
 def simulate_forward(plans: list[tuple], qs: list[torch.Tensor], kvs: list[torch.Tensor]) -> list[tuple]:

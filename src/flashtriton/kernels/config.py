@@ -435,6 +435,9 @@ DECODE_MIN_SPLIT_KEYS = 256  # cache rows per split at least: each split costs a
 # SMs only once left it idle (benchmarks/DECISIONS.md, "Decoding")
 DECODE_PROGRAMS_PER_SM = 8
 DECODE_COMBINE_WARPS = 4
+# The ring's merges (kernels/merge.py): elementwise passes over fp32 rows, a program's tile of this many elements
+MERGE_TILE_ELEMENTS = 4096
+MERGE_WARPS = 4
 # Paged caches whose pages hold a tile read a tile's page (two entries: it may cross one) instead of each row's:
 # measured faster at 32k and 128k rows, slower at 4k (DECISIONS, "Decoding"); 16k, between them, is a guess
 DECODE_TILE_PAGES_MIN_CAPACITY = 16384
