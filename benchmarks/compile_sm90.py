@@ -155,6 +155,35 @@ def build(head_dim: int, n: int, case: str, fp32_results: bool = False) -> dict:
     return {"kernels": built, "error": error}
 
 
+MERGES = ("slice", "packed", "gathered", "gathered twice")
+
+
+def build_merges(head_dim: int, n: int, variant: str) -> dict:
+    """Compiles ring attention's merge and add kernels (distributed/merge.py) as a ring step launches them: on a
+    (batch, seqlen, heads, dim) slice, a packed batch, or gathered rows with one or two copies; build()'s result."""
+    from flashtriton.distributed import merge
+
+    packed = variant != "slice"
+    out = torch.zeros((n, 8, head_dim) if packed else (2, n, 8, head_dim))
+    lse = torch.zeros((8, n) if packed else (2, 8, n))
+    copies = variant.count("gathered") and (2 if variant.endswith("twice") else 1)
+    targets = torch.arange(n) if copies else None
+    sources = tuple(torch.arange(n) for _ in range(copies))
+    merge_backend = route.merge_backend
+    with compile_only() as built:
+        route.merge_backend = lambda device: "triton"
+        try:
+            view = (lambda x: x) if packed else (lambda x: x[:, 1:] if x.dim() == 4 else x[..., 1:])
+            merge.merge(view(out), view(lse), view(out).contiguous(), view(lse).contiguous(), targets, sources)
+            merge.add(view(out), view(out).contiguous(), targets, sources)
+            error = None
+        except Exception as failure:
+            error = f"{type(failure).__name__}: {str(failure).strip().splitlines()[-1][:200] if str(failure) else ''}"
+        finally:
+            route.merge_backend = merge_backend
+    return {"kernels": built, "error": error}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256, 96])
@@ -163,9 +192,13 @@ def main() -> int:
     parser.add_argument("--whole", action="store_true", help="only the given seqlen, not also a ragged one less")
     parser.add_argument("--fp32-results", action="store_true", help="calls that ask for fp32 out, dq, dk, dv")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a line per build")
+    parser.add_argument("--merges", action="store_true", help="ring attention's merge kernels instead")
     args = parser.parse_args()
     results = {}
-    for head_dim in args.head_dims:
+    for head_dim in args.head_dims if args.merges else ():
+        for variant in MERGES:
+            results[f"d{head_dim} N={args.seqlen} merge {variant}"] = build_merges(head_dim, args.seqlen, variant)
+    for head_dim in () if args.merges else args.head_dims:
         for n in (args.seqlen,) if args.whole else (args.seqlen, args.seqlen - 1):
             for case in args.cases or _cases(n, head_dim):
                 label = f"{case} fp32" if args.fp32_results else case
