@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 import torch
@@ -71,41 +70,42 @@ class AttentionParams:
     # (nheads,) fp32, contiguous. Not compared: layout keys (route._layout_key) take its layout, calls its values
     sinks: torch.Tensor | None = field(default=None, compare=False)
 
-    # Derived flags, each decided here once (cached_property writes the instance dict: frozen fields stay frozen).
+    # Derived flags, each decided here once (plain properties: a call's params are new each call, so caching them
+    # per instance saved nothing and cost cached_property's lock on every first read).
 
-    @cached_property
+    @property
     def varlen(self) -> bool:
         return self.cu_seqlens_q is not None
 
-    @cached_property
+    @property
     def windowed(self) -> bool:
         """Some key is out of sight for some query (causal included)."""
         return self.window_left != NO_BOUND or self.window_right != NO_BOUND
 
-    @cached_property
+    @property
     def diagonal(self) -> bool:
         """The right bound is the diagonal: causal, or a causal sliding window."""
         return self.window_right == 0
 
-    @cached_property
+    @property
     def right_only(self) -> bool:
         """Bounded on the right only (causal, or causal shifted): a query row sees a prefix of the keys."""
         return self.window_left == NO_BOUND and self.window_right != NO_BOUND
 
-    @cached_property
+    @property
     def left_bounded(self) -> bool:
         return self.window_left != NO_BOUND
 
-    @cached_property
+    @property
     def plain(self) -> bool:
         """No softcap, ALiBi, dropout or score_mod: the scores are scale * q.k."""
         return not (self.softcap > 0 or self.alibi_slopes is not None or self.dropout_p > 0 or self.score_mod)
 
-    @cached_property
+    @property
     def sparse(self) -> bool:
         return self.block_mask is not None
 
-    @cached_property
+    @property
     def seed(self) -> int:
         """The dropout seed as the kernels take it (0 without dropout)."""
         return int(self.dropout_seed.item()) if self.dropout_seed is not None else 0
