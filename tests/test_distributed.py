@@ -32,6 +32,7 @@ from flashtriton.distributed import (
 )
 from flashtriton.distributed import layout as L
 from flashtriton.distributed import steps as S
+from flashtriton.distributed.halo import Halo
 from helpers import FLOOR_ULPS, TARGETS, assert_close_to_reference, max_error, reference_outputs, target_params
 
 
@@ -191,6 +192,20 @@ def test_a_bf16_ring_is_as_accurate_as_one_call(backend, case):
             assert err <= 1.1 * base + floor, f"world {world} {name}: ring {err:.3e} > 1.1 x one call's {base:.3e}"
 
 
+def test_a_short_window_trades_only_the_rows_its_band_reaches():
+    """Zigzag at world 4, 16 rows per rank (chunks of 8), a causal window of 3: each chunk reads the last 3 rows of
+    the chunk before it, which the ranks next to it hold (distances 1 and 3); no rank wants anything at distance 2."""
+    params = S.partial_params(1.0, False)
+    plans = [S.dense_plan(4, r, 16, ZIGZAG, True, 3, params) for r in range(4)]
+    halo = Halo.of(plans, 0)
+    assert halo.distances == (1, 3)
+    wanted = {r: {src: rows for src, rows in enumerate(halo.wants[r]) if rows} for r in range(4)}
+    assert wanted == {0: {1: ((13, 16),)}, 1: {0: ((5, 8),), 2: ((13, 16),)}, 2: {1: ((5, 8),), 3: ((13, 16),)},
+                      3: {2: ((5, 8),)}}  # fmt: skip
+    moved = Halo.of(plans, 1).pieces_on_received(2)  # chunk 6's first 3 queries against the last 3 rows of chunk 5
+    assert [(p.rows, p.keys) for p in moved] == [(slice(8, 11), slice(0, 3))]
+
+
 MERGES = ["slice", "packed", "gathered-one-copy", "gathered-two-copies"]
 
 
@@ -333,6 +348,7 @@ CASES = [
     ),
     Case("ring-x-ulysses-causal-gqa-bf16", "ring", True, "bfloat16", heads=8, heads_k=4, ulysses=2),
     Case("ring-window-gqa-fp32", "ring", True, "float32", window=(11, 0)),
+    Case("ring-short-window-bf16", "ring", True, "bfloat16", layout=CONTIGUOUS, window=(3, 0), deterministic=True),
 ]
 
 

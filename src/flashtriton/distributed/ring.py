@@ -2,7 +2,8 @@
 partial results of every step (steps.py has the arithmetic, comm.py the transfers).
 
 Forward, on each rank: post the transfer of the K/V shard held to the next rank, compute the step with it, wait for
-the previous rank's shard, repeat ``world`` times. Backward: the same walk, each step's dK/dV share added into fp32
+the previous rank's shard, repeat ``world`` times (under a sliding window, halo.py trades only the rows the band
+reaches instead). Backward: the same walk, each step's dK/dV share added into fp32
 accumulators that travel one step behind their K/V shard (sent once the step's share is in) and come home after
 the last step; dQ stays on its rank in fp32. K and V travel as one stacked (2, ...) buffer, a message per step.
 """
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..validation import check_qkv, check_varlen, host_read
+from . import halo
 from . import steps as S
 from .checks import (
     check_group,
@@ -23,21 +25,25 @@ from .checks import (
     ring_window,
 )
 from .comm import Ring
+from .halo import Halo
 from .layout import ZIGZAG, check_two_d, world_and_rank
 from .ulysses import AllToAll, check_heads
 
 
 class _Call:
-    """One call's ring: its group (None and world 1: no communication) and its Steps by source rank."""
+    """One call's ring: its group (None and world 1: no communication), its Steps by source rank, and under a
+    sliding window the trades of only the rows the band reaches (halo.py) instead of whole shards."""
 
-    def __init__(self, group: dist.ProcessGroup | None, world: int, rank: int, steps: tuple):
-        self.group, self.world, self.rank, self.steps = group, world, rank, steps
+    def __init__(self, group: dist.ProcessGroup | None, world: int, rank: int, steps: tuple, halo: Halo | None = None):
+        self.group, self.world, self.rank, self.steps, self.halo = group, world, rank, steps, halo
 
     def ring(self) -> Ring:
         return Ring(self.group)
 
 
 def _forward(call: _Call, q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if call.halo is not None:
+        return halo.forward(call.ring(), call.halo, q, kv)
     world, rank = call.world, call.rank
     ring = call.ring() if world > 1 else None
     pending = ring.shift(kv) if ring else None  # the next step's shard travels while this one computes
@@ -51,6 +57,8 @@ def _forward(call: _Call, q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tens
 
 
 def _backward(call: _Call, dout, dlse, q, kv, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
+    if call.halo is not None:
+        return halo.backward(call.ring(), call.halo, dout, dlse, q, kv, out, lse)
     world, rank = call.world, call.rank
     ring = call.ring() if world > 1 else None
     pending_kv = ring.shift(kv) if ring else None
@@ -135,7 +143,10 @@ def ring_flash_attn_func(
         check_heads(q.shape[2], k.shape[2], parts)
     check_local_rows(q.shape[1] * parts, world, layout)
     params = S.partial_params(scale, bool(deterministic))
-    call = _Call(group, world, rank, S.dense_plan(world, rank, q.shape[1] * parts, layout, causal, window_left, params))
+    rows = q.shape[1] * parts
+    plans = [S.dense_plan(world, r, rows, layout, causal, window_left, params) for r in range(world)]
+    bands = Halo.of(plans, rank) if window_left >= 0 and world > 1 else None
+    call = _Call(group, world, rank, plans[rank], bands)
     if parts == 1:
         out, lse = _RingAttention.apply(q, k, v, call)
         return (out, lse) if return_lse else out
