@@ -5,9 +5,11 @@
 
 Cases (bf16, causal, D=128): ragged packed documents at 128k tokens per GPU (H16 and GQA 32/8) and 32k (H16), and
 one dense sequence at 128k (H16), each at world 1 and world 4, through the ring bench's ``run_case`` (the providers'
-calls interleaved, rounds rotating their order, each call's time the slowest rank's). Efficiency is per-GPU TFLOP/s
-against this tree's ring on one GPU. Then rank 0 profiles one ragged world-4 fwd+bwd at 128k per GPU and writes its
-kernels' device time (DIR/profile_rank0.txt). Without a GPU it runs tiny fp32 cases on gloo (a dry run).
+calls interleaved, rounds rotating their order, each call's time the slowest rank's); the dense one again under a
+causal window of WINDOW rows ("-win" providers). Efficiency is per-GPU TFLOP/s against this tree's ring on one GPU
+(with the window, whose work per GPU is the same at every world size: time on one GPU over time at world 4). Then
+rank 0 profiles one ragged world-4 fwd+bwd at 128k per GPU and writes its kernels' device time
+(DIR/profile_rank0.txt). Without a GPU it runs tiny fp32 cases on gloo (a dry run).
 """
 
 from __future__ import annotations
@@ -25,6 +27,16 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from flashtriton.bench import ring as R
+
+WINDOW = 4096
+
+
+def _window_call(ring_flash_attn_func):
+    def call(case: R.RingCase, group, q, k, v):
+        window = dict(group=group, causal=True, window_size=(WINDOW, 0))
+        return lambda: ring_flash_attn_func(q, k, v, **window), contextlib.nullcontext
+
+    return call
 
 
 def _base_call(case: R.RingCase, group, q, k, v):
@@ -70,6 +82,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     R.CALLS_OF["ring-base"] = _base_call
+    R.CALLS_OF["ring-win"] = _window_call(R.ring_flash_attn_func)
+    R.CALLS_OF["ring-win-base"] = _window_call(base.ring_flash_attn_func)
     cuda = torch.cuda.is_available()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
@@ -80,21 +94,24 @@ def main() -> int:
     out = Path(args.out)
     results = []
     for case in _cases(cuda, world):
+        providers = ["ring", "ring-base"] + ([] if case.ragged else ["ring-win", "ring-win-base"])
         if rank < case.world:
-            results += R.run_case(case, ["ring", "ring-base"], groups[case.world], device, args.rounds)
+            results += R.run_case(case, providers, groups[case.world], device, args.rounds)
         dist.barrier()
         if rank == 0:
             print(f"{case.name}: done", file=sys.stderr, flush=True)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        single = {r.case: r.tflops_per_gpu for r in results if r.provider == "ring" and r.case.world == 1}
+        single = {(r.case, r.provider): r for r in results if r.case.world == 1}
         rows = []
-        print(f"{'case':<34}{'provider':<11}{'ms':>10}{'efficiency':>12}{'peak MiB':>10}")
+        print(f"{'case':<34}{'provider':<14}{'ms':>10}{'efficiency':>12}{'peak MiB':>10}")
         for r in results:
-            eff = r.tflops_per_gpu / single[r.case.baseline] if r.tflops_per_gpu else None
+            window = r.provider.startswith("ring-win")
+            one = single[r.case.baseline, "ring-win" if window else "ring"]
+            eff = None if r.ms is None else one.ms / r.ms if window else r.tflops_per_gpu / one.tflops_per_gpu
             rows.append(dict(case=r.case.name, provider=r.provider, ms=r.ms, ms_calls=r.ms_calls, efficiency=eff,
                              peak_mib=r.peak_mib, unavailable=r.unavailable))  # fmt: skip
-            print(f"{r.case.name:<34}{r.provider:<11}{r.ms or 0:>10.2f}{eff or 0:>12.1%}{r.peak_mib or 0:>10.0f}")
+            print(f"{r.case.name:<34}{r.provider:<14}{r.ms or 0:>10.2f}{eff or 0:>12.1%}{r.peak_mib or 0:>10.0f}")
         (out / "ring_ab.json").write_text(json.dumps(rows, indent=1))
     ragged = _cases(cuda, world)[1]
     _profile(ragged, groups[world], device, out, rank)
