@@ -84,7 +84,9 @@ def _shape(kv: torch.Tensor, intervals: Intervals) -> tuple[int, ...] | None:
 
 def _received(ring: Ring, halo: Halo, kv: torch.Tensor) -> Iterator[tuple[int, torch.Tensor | None]]:
     """(s, the rows of rank - s's K/V that this rank wants, or None) per distance; the next distance's transfer is
-    posted before this one's rows are handed over."""
+    posted before this one's rows are handed over. Every rank takes part in the first trade, as NCCL asks of a
+    group's first batch_isend_irecv: a window of at least one row makes each rank but the first want rows of the
+    rank before it (distance 1), which the first sends."""
     world, rank = halo.world, halo.rank
 
     def post(s: int):
