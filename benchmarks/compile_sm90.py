@@ -171,7 +171,7 @@ def build_merges(head_dim: int, n: int, variant: str) -> dict:
     sources = tuple(torch.arange(n) for _ in range(copies))
     merge_backend = route.merge_backend
     with compile_only() as built:
-        route.merge_backend = lambda device: "triton"
+        route.merge_backend = lambda device, dtype=None: "triton"
         try:
             view = (lambda x: x) if packed else (lambda x: x[:, 1:] if x.dim() == 4 else x[..., 1:])
             merge.merge(view(out), view(lse), view(out).contiguous(), view(lse).contiguous(), targets, sources)

@@ -81,10 +81,10 @@ def _backend(device: torch.device, dtype: torch.dtype) -> str:
     return "triton"
 
 
-def merge_backend(device: torch.device) -> str:
-    """TORCH or "triton" for the ring's fp32 merges (distributed/merge.py): Triton wherever the kernels serve a
-    half-precision call on ``device``, whatever dtype the ring's inputs are (the merges' own are fp32)."""
-    return _backend(device, torch.bfloat16)
+def merge_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """TORCH or "triton" for the ring's fp32 merges and adds (distributed/merge.py) of a ring whose inputs are
+    ``dtype``: as its attention calls go (an fp32 ring keeps torch's exact exp in its merges too)."""
+    return _backend(device, dtype)
 
 
 def arch(device: torch.device) -> str:

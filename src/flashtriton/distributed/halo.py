@@ -110,18 +110,31 @@ def forward(ring: Ring, halo: Halo, q: torch.Tensor, kv: torch.Tensor) -> tuple[
 
 
 def backward(ring: Ring, halo: Halo, dout, dlse, q, kv, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients; each distance's dK/dV shares travel home while the next distance computes, and are added in
+    the distances' order."""
     world, rank = halo.world, halo.rank
     dq, dkv = S.first_backward(halo.plans[rank][rank], dout, dlse, q, kv, out, lse)
+    coming = None  # (rank + s's pieces against this shard, the transfer of their shares)
     for s, rows in _received(ring, halo, kv):
         shares = []
         if rows is not None:
             shares = S.backward_step(halo.pieces_on_received((rank - s) % world), dout, dlse, q, rows, out, lse, dq)
+        _add_returned(dkv, coming)
         sent = torch.cat([torch.stack((dk, dv)) for _, dk, dv in shares], dim=2) if shares else None
-        theirs = halo.plans[(rank + s) % world][rank]  # rank + s's pieces against this shard: their shares come back
-        back = ring.trade(sent, -s, _shape(dkv, tuple((p.keys.start, p.keys.stop) for p in theirs)), dkv).wait()
-        if back is not None:
-            S.add_kv_grads(dkv, list(_split(theirs, back)))
+        theirs = halo.plans[(rank + s) % world][rank]
+        coming = theirs, ring.trade(sent, -s, _shape(dkv, tuple((p.keys.start, p.keys.stop) for p in theirs)), dkv)
+    _add_returned(dkv, coming)
     return dq.to(q.dtype), dkv
+
+
+def _add_returned(dkv: torch.Tensor, coming: tuple | None) -> None:
+    """Adds the shares a trade brought back (if any) into this shard's fp32 dK/dV, piece by piece."""
+    if coming is None:
+        return
+    pieces, pending = coming
+    back = pending.wait()
+    if back is not None:
+        S.add_kv_grads(dkv, list(_split(pieces, back)))
 
 
 def _split(pieces: tuple[S.Step, ...], back: torch.Tensor) -> Iterator[tuple[S.Step, torch.Tensor, torch.Tensor]]:

@@ -22,10 +22,11 @@ from ..kernels import config
 from ..kernels.merge import add_rows_kernel, merge_rows_kernel
 
 
-def merge(out, lse, part_out, part_lse, targets: torch.Tensor | None = None, sources: tuple = ()) -> None:
+def merge(out, lse, part_out, part_lse, targets=None, sources: tuple = (), dtype=torch.bfloat16) -> None:
     """Merges the partial result (part_out, part_lse) over other keys into the fp32 accumulators (out, lse), in
-    place, weighting each by exp(its LSE - the merged LSE); rows empty in both stay out 0, LSE -inf."""
-    if route.merge_backend(out.device) == route.TORCH:
+    place, weighting each by exp(its LSE - the merged LSE); rows empty in both stay out 0, LSE -inf. dtype: the
+    ring's inputs' (route.merge_backend)."""
+    if route.merge_backend(out.device, dtype) == route.TORCH:
         if targets is None:
             _merge(out, lse, part_out, part_lse)
             return
@@ -47,7 +48,8 @@ def merge(out, lse, part_out, part_lse, targets: torch.Tensor | None = None, sou
 
 
 def add(acc: torch.Tensor, part: torch.Tensor, targets: torch.Tensor | None = None, sources: tuple = ()) -> None:
-    """acc[targets] += the sum of part's rows ``sources`` (both None: acc += part), in fp32, in place."""
+    """acc[targets] += the sum of part's rows ``sources`` (both None: acc += part), in fp32, in place: the same
+    additions in the same order on either backend."""
     if targets is None:
         acc.add_(part)
         return

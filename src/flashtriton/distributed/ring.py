@@ -10,6 +10,8 @@ the last step; dQ stays on its rank in fp32. K and V travel as one stacked (2, .
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -74,6 +76,12 @@ def _backward(call: _Call, dout, dlse, q, kv, out, lse) -> tuple[torch.Tensor, t
     if ring:
         dkv = ring.shift(dkv).wait()  # the last holder sends it home
     return dq.to(q.dtype), dkv
+
+
+@functools.lru_cache(maxsize=64)
+def _halo(world: int, rank: int, rows: int, layout: str, window_left: int, params) -> Halo:
+    """A windowed ring's trades, kept per shape and options: they need every rank's plan (world * world pieces)."""
+    return Halo.of([S.window_steps(world, r, rows, layout, window_left, params) for r in range(world)], rank)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -144,9 +152,11 @@ def ring_flash_attn_func(
     check_local_rows(q.shape[1] * parts, world, layout)
     params = S.partial_params(scale, bool(deterministic))
     rows = q.shape[1] * parts
-    plans = [S.dense_plan(world, r, rows, layout, causal, window_left, params) for r in range(world)]
-    bands = Halo.of(plans, rank) if window_left >= 0 and world > 1 else None
-    call = _Call(group, world, rank, plans[rank], bands)
+    if window_left >= 0 and world > 1:  # every rank's plan: what this rank trades with each
+        bands = _halo(world, rank, rows, layout, window_left, params)
+        call = _Call(group, world, rank, bands.plans[rank], bands)
+    else:
+        call = _Call(group, world, rank, S.dense_plan(world, rank, rows, layout, causal, window_left, params))
     if parts == 1:
         out, lse = _RingAttention.apply(q, k, v, call)
         return (out, lse) if return_lse else out

@@ -233,9 +233,9 @@ def forward_step(pieces: tuple[Step, ...], q, kv, out: torch.Tensor, lse: torch.
         k, v = (_rows(x, step.keys, step.keys_from) for x in (kv[0], kv[1]))
         part_out, part_lse = ops.forward(_rows(q, step.rows, step.queries), k, v, step.params)
         if step.queries is None:
-            merge(_seq(out, step.rows), lse[..., step.rows], part_out, part_lse)
+            merge(_seq(out, step.rows), lse[..., step.rows], part_out, part_lse, dtype=q.dtype)
         else:
-            merge(out, lse, part_out, part_lse, step.queries.targets, step.queries.sources)
+            merge(out, lse, part_out, part_lse, step.queries.targets, step.queries.sources, q.dtype)
 
 
 def finish_forward(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
