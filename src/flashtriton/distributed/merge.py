@@ -19,7 +19,7 @@ import triton
 
 from .. import route
 from ..kernels import config
-from ..kernels.merge import add_rows_kernel, merge_rows_kernel
+from ..kernels.merge import accumulate_rows_kernel
 
 
 def merge(out, lse, part_out, part_lse, targets=None, sources: tuple = (), dtype=torch.bfloat16) -> None:
@@ -41,9 +41,9 @@ def merge(out, lse, part_out, part_lse, targets=None, sources: tuple = (), dtype
     rows, copies, grid, meta = _launch(out, targets, sources)
     if rows == 0:
         return
-    merge_rows_kernel[grid](
+    accumulate_rows_kernel[grid](
         out, lse, part_out, part_lse, targets, *copies, rows, *_strides(out), *lse.stride(), *_strides(part_out),
-        *part_lse.stride(), **meta,
+        *part_lse.stride(), MERGE=True, **meta,
     )  # fmt: skip
 
 
@@ -62,7 +62,10 @@ def add(acc: torch.Tensor, part: torch.Tensor, targets: torch.Tensor | None = No
     rows, copies, grid, meta = _launch(acc, targets, sources)
     if rows == 0:
         return
-    add_rows_kernel[grid](acc, part, targets, *copies, rows, *_strides(acc), *_strides(part), **meta)
+    accumulate_rows_kernel[grid](
+        acc, None, part, None, targets, *copies, rows, *_strides(acc), 0, 0, 0, *_strides(part), 0, 0, 0,
+        MERGE=False, **meta,
+    )  # fmt: skip
 
 
 def _merge(out, lse, part_out, part_lse) -> None:
