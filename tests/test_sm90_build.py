@@ -83,7 +83,9 @@ def _check(results: dict, expected: dict) -> None:
     assert set(results) == set(expected)
     for (head_dim, case), result in results.items():
         assert result["error"] is None, (head_dim, case, result["error"])
-        built = {kernel: stack for kernel, _, stack in result["kernels"]}
+        built = {}  # each kernel's largest spill over its launches (a kernel may launch in several variants)
+        for kernel, _, stack in result["kernels"]:
+            built[kernel] = max(stack, built.get(kernel, 0))
         assert expected[head_dim, case] <= set(built), (head_dim, case, built)
         for kernel in expected[head_dim, case]:
             assert built[kernel] <= SPILLS.get((head_dim, case, kernel), 0), (head_dim, case, kernel, built[kernel])
