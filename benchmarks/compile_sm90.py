@@ -147,12 +147,16 @@ def build(head_dim: int, n: int, case: str, fp32_results: bool = False) -> dict:
             triton_backend.backward(out, torch.zeros_like(lse), q, k, v, out, lse, params, backward)
             error = None
         except Exception as failure:  # a failed build is the finding: report it and go on
-            cause = failure
-            while cause.__cause__ is not None:  # a CompilationError quotes the source; its cause says why
-                cause = cause.__cause__
-            why = (str(cause).strip().splitlines() or [""])[-1][:200]
-            error = f"{type(failure).__name__}: {why}"
+            error = _why(failure)
     return {"kernels": built, "error": error}
+
+
+def _why(failure: Exception) -> str:
+    """A failed build's one line: a CompilationError quotes the source; its cause says why."""
+    cause = failure
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    return f"{type(failure).__name__}: {(str(cause).strip().splitlines() or [''])[-1][:200]}"
 
 
 MERGES = ("slice", "packed", "gathered", "gathered twice")
@@ -171,14 +175,22 @@ def build_merges(head_dim: int, n: int, variant: str) -> dict:
     sources = tuple(torch.arange(n) for _ in range(copies))
     merge_backend = route.merge_backend
     with compile_only() as built:
-        route.merge_backend = lambda device, dtype=None: "triton"
+        route.merge_backend = lambda device, dtype: "triton"
         try:
             view = (lambda x: x) if packed else (lambda x: x[:, 1:] if x.dim() == 4 else x[..., 1:])
-            merge.merge(view(out), view(lse), view(out).contiguous(), view(lse).contiguous(), targets, sources)
+            merge.merge(
+                view(out),
+                view(lse),
+                view(out).contiguous(),
+                view(lse).contiguous(),
+                targets,
+                sources,
+                dtype=torch.bfloat16,
+            )
             merge.add(view(out), view(out).contiguous(), targets, sources)
             error = None
         except Exception as failure:
-            error = f"{type(failure).__name__}: {str(failure).strip().splitlines()[-1][:200] if str(failure) else ''}"
+            error = _why(failure)
         finally:
             route.merge_backend = merge_backend
     return {"kernels": built, "error": error}

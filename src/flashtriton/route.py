@@ -81,7 +81,7 @@ def _backend(device: torch.device, dtype: torch.dtype) -> str:
     return "triton"
 
 
-def merge_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+def merge_backend(device: torch.device, dtype: torch.dtype) -> str:
     """TORCH or "triton" for the ring's fp32 merges and adds (distributed/merge.py) of a ring whose inputs are
     ``dtype``: as its attention calls go (an fp32 ring keeps torch's exact exp in its merges too)."""
     return _backend(device, dtype)

@@ -22,7 +22,7 @@ from ..kernels import config
 from ..kernels.merge import accumulate_rows_kernel
 
 
-def merge(out, lse, part_out, part_lse, targets=None, sources: tuple = (), dtype=torch.bfloat16) -> None:
+def merge(out, lse, part_out, part_lse, targets=None, sources: tuple = (), *, dtype: torch.dtype) -> None:
     """Merges the partial result (part_out, part_lse) over other keys into the fp32 accumulators (out, lse), in
     place, weighting each by exp(its LSE - the merged LSE); rows empty in both stay out 0, LSE -inf. dtype: the
     ring's inputs' (route.merge_backend)."""
@@ -53,7 +53,7 @@ def add(acc: torch.Tensor, part: torch.Tensor, targets: torch.Tensor | None = No
     if targets is None:
         acc.add_(part)
         return
-    if route.merge_backend(acc.device) == route.TORCH:
+    if route.merge_backend(acc.device, torch.bfloat16) == route.TORCH:  # sums are exact: the kernel wherever one runs
         for rows in sources:
             acc.index_add_(0, targets, part.index_select(0, rows))
         return

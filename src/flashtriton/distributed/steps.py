@@ -235,7 +235,7 @@ def forward_step(pieces: tuple[Step, ...], q, kv, out: torch.Tensor, lse: torch.
         if step.queries is None:
             merge(_seq(out, step.rows), lse[..., step.rows], part_out, part_lse, dtype=q.dtype)
         else:
-            merge(out, lse, part_out, part_lse, step.queries.targets, step.queries.sources, q.dtype)
+            merge(out, lse, part_out, part_lse, step.queries.targets, step.queries.sources, dtype=q.dtype)
 
 
 def finish_forward(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 A ring step's calls return fp32 partial results; each is folded into the rank's fp32 accumulators. Done with torch's
 elementwise ops, a merge reads and writes the accumulator several times (and a gathered call's rows are first
-copied out and back); the kernel reads each accumulator row and each partial row once and write the row once.
+copied out and back); the kernel reads each accumulator row and each partial row once and writes the row once.
 
 Rows: ``ROWS`` (n,) picks the accumulator's rows, and ``COPIES`` tensors ``SRC0``, ``SRC1`` (n,) the partial's rows
 that land on them (a gathered call holds up to two copies of a row); None: the identity (the tensors passed are
