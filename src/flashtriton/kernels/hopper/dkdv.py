@@ -43,6 +43,7 @@ from .primitives import (
     barriers,
     fill,
     flat_layout,
+    flat_view,
     give,
     halves,
     mma_layout,
@@ -377,7 +378,7 @@ def attention_backward_dkdv_sm90_kernel(
     b = pid_bh // hkv
     hk = pid_bh % hkv
     n0 = pid_n * KEYS
-    bc, seq0, N, _ = sequence(CU_SEQLENS, b, N, VARLEN)
+    bc, seq0, N, _ = sequence(CU_SEQLENS, b, N, VARLEN, flat_view(q_desc))
     if VARLEN:
         if n0 >= N:
             return
