@@ -125,11 +125,16 @@ def _piece_add(desc, coord, value, smem):
 
 
 @gluon.jit
-def _ragged(p_t, rows, keys, n, RAGGED: gl.constexpr):
-    """p_t (keys x queries) with the entries of queries or keys past the sequence's n zeroed, where RAGGED: their
-    rows of Q and dO are zeros or another sequence's, which no in-band test excludes."""
-    if RAGGED:
+def _ragged(p_t, rows, keys, n, ROWS: gl.constexpr, KEYS: gl.constexpr):
+    """p_t (keys x queries) with the entries of queries (ROWS) or keys (KEYS) past the sequence's n zeroed. Varlen,
+    both: their rows are the next sequence's. A dense sequence's query rows past n need none: Q, dO are TMA's zeros
+    there and LSE, delta zeros, so P = 1 and dS = 0 (causal, the band excludes its keys past n for the rows before
+    n). Its keys past n do, unmasked: a row's P = exp(-LSE) there overflows where LSE is very negative, and
+    dS = -P delta times K's zeros is then NaN in dQ."""
+    if ROWS and KEYS:
         p_t = gl.where(gl.expand_dims(keys < n, 1) & gl.expand_dims(rows < n, 0), p_t, 0.0)
+    elif KEYS:
+        p_t = gl.where(gl.expand_dims(keys < n, 1), p_t, 0.0)
     return p_t
 
 
@@ -213,7 +218,7 @@ def _dkdv_consumer(key_descs, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_at, out
                 # FUSED: every step, as a branch here makes ptxas serialise the fused kernel's wgmmas (C7512)
                 if FUSED or outside_band(q0, q0 + BLOCK_M - 1, first_key, first_key + BLOCK_N - 1, window_left, LEFT):
                     p_t = band_only(p_t, rows, keys, window_left, LEFT)
-            p_t = _ragged(p_t, rows, keys, n, RAGGED)
+            p_t = _ragged(p_t, rows, keys, n, VARLEN and RAGGED, RAGGED and (VARLEN or not CAUSAL))
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv, is_async=True)
             if not READ_AHEAD:
                 delta = delta_bufs.index(s).load(queries)
@@ -317,7 +322,7 @@ def _dkdv_split_consumer(key_descs, dq_desc, k_smem, v_smem, steps, pt_bufs, dst
             rows = first_query + j * BLOCK_M + W * QH + gl.arange(0, QH, queries)
             if CAUSAL:  # every step: a branch here could make ptxas serialise the wgmmas (C7512)
                 p_t = band_only(p_t, rows, keys, window_left, LEFT)
-            p_t = _ragged(p_t, rows, keys, n, RAGGED)
+            p_t = _ragged(p_t, rows, keys, n, RAGGED, RAGGED)  # D=256: without the row masks it ran slower
             pt = pt_bufs.index(it % 2)
             pt.slice(W * QH, QH, dim=1).store(p_t.to(dtype))
             _exchange(p_ready, it)
