@@ -75,6 +75,9 @@ def test_flat_views_where_batches_follow_in_whole_tiles(layout, n, causal, flat)
     _, (q, k, v) = _inputs(layout, 2, n, 4, 128, device="cpu")
     common = dict(N=n, VARLEN=False, RAGGED=n % 128 != 0, CAUSAL=causal, LEFT=False)
     assert triton_backend._flat(common, q, k, v, torch.empty_like(q)) == flat
+    # one tensor whose batches do not follow one another (a slice of longer sequences) keeps the whole call rank-4
+    sliced = torch.empty(2, 2 * n, 4, 128, dtype=q.dtype)[:, :n]
+    assert not triton_backend._flat(common, q, k, v, sliced)
 
 
 @pytest.mark.parametrize("head_dim,width", [(32, None), (40, 64), (80, 128), (96, 128), (136, 256), (192, 256)])
@@ -145,6 +148,8 @@ CASES = [  # (n, head dim, mode): lengths that end inside a tile, and a whole on
     (1000, 48, "window"),
     # whole tiles without a band: contiguous and packed batches reach the kernels as one sequence of B * N rows
     (1024, 64, "dense"),
+    (2048, 128, "dense"),  # the fused backward
+    (1024, 80, "dense"),  # columns past the head dim: TMA's zeros in the flat view too
     (2048, 256, "dense"),  # O and dK/dV stored in column halves
 ]
 
@@ -267,7 +272,8 @@ def _kernels_here(n: int, monkeypatch) -> tuple[str, int, bool]:
 
 
 # (n, head dim, causal, deterministic): the pair's dQ kernel, the fused backward's dQ conversion, split D
-PADDED = [(1000, 80, True, False), (1000, 80, True, True), (2100, 80, False, False), (700, 192, True, False)]
+PADDED = [(1000, 80, True, False), (1000, 80, True, True), (2100, 80, False, False), (700, 192, True, False),
+          (2048, 80, False, False), (1024, 80, False, True)]  # fmt: skip
 
 
 @pytest.mark.parametrize("n,head_dim,causal,deterministic", PADDED, ids=[f"n{n}-d{d}" + "-causal" * c + "-det" * t

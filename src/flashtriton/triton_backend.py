@@ -111,8 +111,9 @@ def _gluon_view(x: torch.Tensor, rows: int, cols: int | None = None, flat: bool 
 
 def _flat(common: dict, *xs: torch.Tensor) -> bool:
     """Whether a call's kernels see its (B, N, H, D) tensors as one sequence of B * N rows (config.FLAT_VIEW_BANDED):
-    each batch's rows follow the last's in every tensor, and are whole tiles, so that no tile reads or writes across
-    a batch's end."""
+    each batch's rows follow the last's in every tensor, in whole tiles, so that no K/V tile, no Q/dO step and no
+    stored row crosses a batch's end. (A forward tile of three warpgroups' rows may: the rows past the batch it
+    loads are the next one's, which the warpgroup that would take them skips.)"""
     if common["VARLEN"] or common["RAGGED"]:
         return False
     if (common["CAUSAL"] or common["LEFT"]) and not config.FLAT_VIEW_BANDED:

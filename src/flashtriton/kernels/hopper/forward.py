@@ -403,7 +403,7 @@ def attention_forward_sm90_kernel(
     None. Rings of shared memory: Q_STAGES tiles per consumer warpgroup, STAGES K tiles and STAGES V tiles. CAUSAL:
     query i sees keys j <= i, and with LEFT only j >= i - window_left. TREE_ROWS: the softmax's row max and sum as
     trees (_row_max). PINGPONG: the consumers issue their MMAs in turns (_await_turn)."""
-    FLAT: gl.constexpr = flat_view(q_desc)
+    FLAT: gl.constexpr = flat_view(q_desc, k_desc, v_desc, o_desc)
     k_ring = ring((tiles(k_desc, STAGES),), CONSUMERS)
     v_ring = ring((tiles(v_desc, STAGES),), CONSUMERS)
     q0 = ring((tiles(q_desc, Q_STAGES),), 1)

@@ -118,9 +118,12 @@ def sequence(CU_SEQLENS, b, N, VARLEN: gl.constexpr, FLAT: gl.constexpr):
 
 
 @triton.constexpr_function
-def flat_view(desc):
-    """Whether desc is a (B * N, H, D) descriptor (blocks [rows, 1, cols]) rather than a (B, N, H, D) one."""
-    return len(desc.block_type.shape) == 3
+def flat_view(*descs):
+    """Whether descs (None aside) are flat (B * N, H, D) descriptors (blocks [rows, 1, cols]) rather than (B, N, H, D)
+    ones: all of them or none, as a kernel addresses them all with one coordinate."""
+    ranks = {len(desc.block_type.shape) for desc in descs if desc is not None}
+    assert len(ranks) == 1, f"flat and (B, N, H, D) descriptors in one launch: ranks {sorted(ranks)}"
+    return ranks == {3}
 
 
 @gluon.jit
