@@ -187,7 +187,7 @@ def build_merges(head_dim: int, n: int, variant: str) -> dict:
                 sources,
                 dtype=torch.bfloat16,
             )
-            merge.add(view(out), view(out).contiguous(), targets, sources)
+            merge.add(view(out), view(out).contiguous(), targets, sources, dtype=torch.bfloat16)
             error = None
         except Exception as failure:
             error = _why(failure)

@@ -243,7 +243,7 @@ def test_the_merge_kernels_match_torchs_merges(target, kind, monkeypatch):
         monkeypatch.setenv("FLASHTRITON_BACKEND", backend)
         o, l, g = out.clone(), lse.clone(), out.clone()
         merge.merge(view(o), view(l), part, part_lse, targets, sources, dtype=torch.bfloat16)  # a bf16 ring's
-        merge.add(view(g), part, targets, sources)
+        merge.add(view(g), part, targets, sources, dtype=torch.bfloat16)
         results[backend] = (o, l, g)
     for name, ours, theirs in zip(("out", "lse", "add"), results[target.backend], results["torch"], strict=True):
         assert not ours.isnan().any(), name

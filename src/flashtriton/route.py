@@ -83,7 +83,8 @@ def _backend(device: torch.device, dtype: torch.dtype) -> str:
 
 def merge_backend(device: torch.device, dtype: torch.dtype) -> str:
     """TORCH or "triton" for the ring's fp32 merges and adds (distributed/merge.py) of a ring whose inputs are
-    ``dtype``: as its attention calls go (an fp32 ring keeps torch's exact exp in its merges too)."""
+    ``dtype``: as its attention calls go (an fp32 ring keeps torch's exact exp in its merges, and its adds with them:
+    the sums are the same either way)."""
     return _backend(device, dtype)
 
 

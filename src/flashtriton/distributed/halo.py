@@ -119,22 +119,22 @@ def backward(ring: Ring, halo: Halo, dout, dlse, q, kv, out, lse) -> tuple[torch
         shares = []
         if rows is not None:
             shares = S.backward_step(halo.pieces_on_received((rank - s) % world), dout, dlse, q, rows, out, lse, dq)
-        _add_returned(dkv, coming)
+        _add_returned(dkv, coming, kv.dtype)
         sent = torch.cat([torch.stack((dk, dv)) for _, dk, dv in shares], dim=2) if shares else None
         theirs = halo.plans[(rank + s) % world][rank]
         coming = theirs, ring.trade(sent, -s, _shape(dkv, tuple((p.keys.start, p.keys.stop) for p in theirs)), dkv)
-    _add_returned(dkv, coming)
+    _add_returned(dkv, coming, kv.dtype)
     return dq.to(q.dtype), dkv
 
 
-def _add_returned(dkv: torch.Tensor, coming: tuple | None) -> None:
+def _add_returned(dkv: torch.Tensor, coming: tuple | None, dtype: torch.dtype) -> None:
     """Adds the shares a trade brought back (if any) into this shard's fp32 dK/dV, piece by piece."""
     if coming is None:
         return
     pieces, pending = coming
     back = pending.wait()
     if back is not None:
-        S.add_kv_grads(dkv, list(_split(pieces, back)))
+        S.add_kv_grads(dkv, list(_split(pieces, back)), dtype)
 
 
 def _split(pieces: tuple[S.Step, ...], back: torch.Tensor) -> Iterator[tuple[S.Step, torch.Tensor, torch.Tensor]]:

@@ -47,13 +47,16 @@ def merge(out, lse, part_out, part_lse, targets=None, sources: tuple = (), *, dt
     )  # fmt: skip
 
 
-def add(acc: torch.Tensor, part: torch.Tensor, targets: torch.Tensor | None = None, sources: tuple = ()) -> None:
+def add(
+    acc: torch.Tensor, part: torch.Tensor, targets: torch.Tensor | None = None, sources: tuple = (), *,
+    dtype: torch.dtype,
+) -> None:  # fmt: skip
     """acc[targets] += the sum of part's rows ``sources`` (both None: acc += part), in fp32, in place: the same
-    additions in the same order on either backend."""
+    additions in the same order on either backend. dtype: the ring's inputs' (route.merge_backend), as merge's."""
     if targets is None:
         acc.add_(part)
         return
-    if route.merge_backend(acc.device, torch.bfloat16) == route.TORCH:  # sums are exact: the kernel wherever one runs
+    if route.merge_backend(acc.device, dtype) == route.TORCH:
         for rows in sources:
             acc.index_add_(0, targets, part.index_select(0, rows))
         return

@@ -72,7 +72,7 @@ def _backward(call: _Call, dout, dlse, q, kv, out, lse) -> tuple[torch.Tensor, t
             pending_kv = ring.shift(kv)
         shares = S.backward_step(call.steps[(rank - s) % world], dout, dlse, q, kv, out, lse, dq)
         dkv = pending_dkv.wait()
-        S.add_kv_grads(dkv, shares)
+        S.add_kv_grads(dkv, shares, kv.dtype)
     if ring:
         dkv = ring.shift(dkv).wait()  # the last holder sends it home
     return dq.to(q.dtype), dkv

@@ -252,7 +252,7 @@ def first_backward(own: tuple[Step, ...], dout, dlse, q, kv, out, lse) -> tuple[
         return dq, dkv
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    add_kv_grads(dkv, backward_step(own, dout, dlse, q, kv, out, lse, dq))
+    add_kv_grads(dkv, backward_step(own, dout, dlse, q, kv, out, lse, dq), kv.dtype)
     return dq, dkv
 
 
@@ -268,22 +268,23 @@ def backward_step(pieces: tuple[Step, ...], dout, dlse, q, kv, out, lse, dq: tor
             _rows(lse, rows, gather, -1), step.backward_params,
         )  # fmt: skip
         if gather is None:
-            add(_seq(dq, rows), part_dq)
+            add(_seq(dq, rows), part_dq, dtype=q.dtype)
         else:
-            add(dq, part_dq, gather.targets, gather.sources)
+            add(dq, part_dq, gather.targets, gather.sources, dtype=q.dtype)
         shares.append((step, dk, dv))
     return shares
 
 
-def add_kv_grads(dkv: torch.Tensor, shares: list[tuple]) -> None:
-    """Adds a step's (dK, dV) shares into the fp32 accumulator of the shard it ran against."""
+def add_kv_grads(dkv: torch.Tensor, shares: list[tuple], dtype: torch.dtype) -> None:
+    """Adds a step's (dK, dV) shares into the fp32 accumulator of the shard it ran against (dtype: the ring's
+    inputs')."""
     for step, dk, dv in shares:
         gather = step.keys_from
         for acc, share in zip(dkv, (dk, dv), strict=True):
             if gather is None:
-                add(_seq(acc, step.keys), share)
+                add(_seq(acc, step.keys), share, dtype=dtype)
             else:
-                add(acc, share, gather.targets, gather.sources)
+                add(acc, share, gather.targets, gather.sources, dtype=dtype)
 
 
 def simulate_forward(plans: list[tuple], qs: list[torch.Tensor], kvs: list[torch.Tensor]) -> list[tuple]:
@@ -307,5 +308,5 @@ def simulate_backward(plans: list[tuple], douts, dlses, qs, kvs, outs, lses) -> 
         for r in range(world):
             src = (r - s) % world
             shares = backward_step(plans[r][src], douts[r], dlses[r], qs[r], kvs[src], outs[r], lses[r], grads[r][0])
-            add_kv_grads(grads[src][1], shares)
+            add_kv_grads(grads[src][1], shares, kvs[src].dtype)
     return [(dq.to(q.dtype), dkv.to(kv.dtype)) for (dq, dkv), q, kv in zip(grads, qs, kvs, strict=True)]
