@@ -63,6 +63,23 @@ def test_routes_take_the_gluon_kernels(layout, n):
     assert route.backward(q, None, q, k, v, q, None, deterministic, gpu="sm90").dq == route.PAIR
 
 
+@pytest.mark.parametrize(
+    "layout,n,causal,flat",
+    [("contiguous", 2048, False, True), ("qkv-packed", 2048, False, True), ("model", 2048, False, False),
+     ("contiguous", 2000, False, False), ("contiguous", 2048, True, False)],
+)  # fmt: skip
+def test_flat_views_where_batches_follow_in_whole_tiles(layout, n, causal, flat):
+    """The (B * N, H, D) view only where each batch's rows follow the last's in whole tiles (the model's layout
+    interleaves heads; 2000 rows end inside a tile, whose load would read the next batch's first rows), and not for
+    causal calls (config.FLAT_VIEW_BANDED)."""
+    _, (q, k, v) = _inputs(layout, 2, n, 4, 128, device="cpu")
+    common = dict(N=n, VARLEN=False, RAGGED=n % 128 != 0, CAUSAL=causal, LEFT=False)
+    assert triton_backend._flat(common, q, k, v, torch.empty_like(q)) == flat
+    # one tensor whose batches do not follow one another (a slice of longer sequences) keeps the whole call rank-4
+    sliced = torch.empty(2, 2 * n, 4, 128, dtype=q.dtype)[:, :n]
+    assert not triton_backend._flat(common, q, k, v, sliced)
+
+
 @pytest.mark.parametrize("head_dim,width", [(32, None), (40, 64), (80, 128), (96, 128), (136, 256), (192, 256)])
 def test_head_dims_between_widths_take_the_next(head_dim, width):
     """A head dim between the Gluon kernels' widths runs in tiles of the next (at or below 32: the portable kernels,
@@ -129,6 +146,11 @@ CASES = [  # (n, head dim, mode): lengths that end inside a tile, and a whole on
     (3000, 96, "causal"),
     (777, 192, "dense"),
     (1000, 48, "window"),
+    # whole tiles without a band: contiguous and packed batches reach the kernels as one sequence of B * N rows
+    (1024, 64, "dense"),
+    (2048, 128, "dense"),  # the fused backward
+    (1024, 80, "dense"),  # columns past the head dim: TMA's zeros in the flat view too
+    (2048, 256, "dense"),  # O and dK/dV stored in column halves
 ]
 
 
@@ -250,7 +272,8 @@ def _kernels_here(n: int, monkeypatch) -> tuple[str, int, bool]:
 
 
 # (n, head dim, causal, deterministic): the pair's dQ kernel, the fused backward's dQ conversion, split D
-PADDED = [(1000, 80, True, False), (1000, 80, True, True), (2100, 80, False, False), (700, 192, True, False)]
+PADDED = [(1000, 80, True, False), (1000, 80, True, True), (2100, 80, False, False), (700, 192, True, False),
+          (2048, 80, False, False), (1024, 80, False, True)]  # fmt: skip
 
 
 @pytest.mark.parametrize("n,head_dim,causal,deterministic", PADDED, ids=[f"n{n}-d{d}" + "-causal" * c + "-det" * t

@@ -91,17 +91,35 @@ def _shared_layout(rows: int, cols: int, dtype: torch.dtype, rank: int = 2) -> g
     return flat if rank == 2 else gl.NVMMASharedLayout(flat.swizzle_byte_width, flat.element_bitwidth, rank)
 
 
-def _gluon_view(x: torch.Tensor, rows: int, cols: int | None = None) -> Descriptor:
+def _gluon_view(x: torch.Tensor, rows: int, cols: int | None = None, flat: bool = False) -> Descriptor:
     """A (B, N, H, D) tensor as the Gluon kernels read and write it: a rank-4 descriptor of its own strides (route.
     strided_tma_fits), blocks of [1, rows, 1, cols] (default: the kernels' width, config.hopper_width, which TMA
-    fills past D with zeros and whose columns past D it does not store)."""
+    fills past D with zeros and whose columns past D it does not store); flat (_flat): the (B * N, H, D) view, blocks
+    of [rows, 1, cols]."""
     batch, n, heads, d = x.shape
     cols = cols or config.hopper_width(d)
     # a dim of size 1 may have any stride (route.strided_tma_fits ignores it): the descriptor gets a legal one
     head = x.stride(2) if heads > 1 else d
     row = x.stride(1) if n > 1 else heads * head
+    if flat:
+        return Descriptor(
+            x, (batch * n, heads, d), (row, head, 1), (rows, 1, cols), _shared_layout(rows, cols, x.dtype, 3)
+        )
     strides = (x.stride(0) if batch > 1 else n * row, row, head, 1)
     return Descriptor(x, tuple(x.shape), strides, (1, rows, 1, cols), _shared_layout(rows, cols, x.dtype, 4))
+
+
+def _flat(common: dict, *xs: torch.Tensor) -> bool:
+    """Whether a call's kernels see its (B, N, H, D) tensors as one sequence of B * N rows (config.FLAT_VIEW_BANDED):
+    each batch's rows follow the last's in every tensor, in whole tiles, so that no K/V tile, no Q/dO step and no
+    stored row crosses a batch's end. (A forward tile of three warpgroups' rows may: the rows past the batch it
+    loads are the next one's, which the warpgroup that would take them skips.)"""
+    if common["VARLEN"] or common["RAGGED"]:
+        return False
+    if (common["CAUSAL"] or common["LEFT"]) and not config.FLAT_VIEW_BANDED:
+        return False
+    n = common["N"]
+    return all(x.shape[0] == 1 or x.stride(0) == n * x.stride(1) for x in xs)
 
 
 def _sums_view(sums: torch.Tensor, rows: int, cols: int) -> Descriptor:
@@ -175,9 +193,11 @@ def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperFor
         recorder.constant("schedule", table)
     # O staged in shared memory for a TMA store, in q's dtype: fp32 results go out from registers
     staged = cfg.stage_o and not p.fp32_results
+    flat = _flat(common, q, k, v, out)
     return _FORWARD_SM90.bind((programs,))(
-        _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
-        _gluon_view(out, cfg.block_m, common["D"] // cfg.o_pieces) if staged else None, out,
+        _gluon_view(q, cfg.block_m, flat=flat), _gluon_view(k, cfg.block_n, flat=flat),
+        _gluon_view(v, cfg.block_n, flat=flat),
+        _gluon_view(out, cfg.block_m, common["D"] // cfg.o_pieces, flat) if staged else None, out,
         *_strides(out, p.varlen), lse, **common, SINKS=p.sinks, units=units, SCHEDULE=table, m_bits=bits[0],
         h_bits=bits[1], CONSUMERS=cfg.consumers,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_STAGES=cfg.q_stages, STAGES=cfg.stages,
@@ -344,15 +364,17 @@ def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams,
     batch, n, common = _hopper_common(q, k, lse, p, cfg.rows)
     cols = common["D"] // 2 if cfg.split_d else common["D"]  # of dK and dV per warpgroup
     # dK and dV staged in the K and V tiles for TMA stores, in their dtype: fp32 results go out from registers
-    dk_desc, dv_desc = (None, None) if p.fp32_results else (_gluon_view(x, cfg.block_n, cols) for x in (dk, dv))
+    flat = _flat(common, q, k, v, dout, dk, dv)
+    dk_desc, dv_desc = (None, None) if p.fp32_results else (_gluon_view(x, cfg.block_n, cols, flat) for x in (dk, dv))
     sums_rows = 0 if dq_sums is None else dq_sums.shape[1]
     if dq_sums is not None:  # TMA reductions of D / 2 columns per warpgroup, split_d's in two pieces
         dq_sums = (_sums_view if cfg.split_d else _fragments_view)(dq_sums, cfg.block_m, cols // 2)
     heads, blocks = batch * k.shape[2], cdiv(n, cfg.keys)
     order_heads = min(max(cfg.order_programs // blocks, 1), config.ORDER_HEADS, heads) if common["CAUSAL"] else 1
     return _DKDV_SM90.bind((blocks * heads,))(
-        _gluon_view(q, cfg.block_m), _gluon_view(k, cfg.block_n), _gluon_view(v, cfg.block_n),
-        _gluon_view(dout, cfg.block_m), dk_desc, dv_desc, dk, *_strides(dk, p.varlen), dv, *_strides(dv, p.varlen),
+        _gluon_view(q, cfg.block_m, flat=flat), _gluon_view(k, cfg.block_n, flat=flat),
+        _gluon_view(v, cfg.block_n, flat=flat), _gluon_view(dout, cfg.block_m, flat=flat), dk_desc, dv_desc,
+        dk, *_strides(dk, p.varlen), dv, *_strides(dv, p.varlen),
         dq_sums, sums_rows, _gluon_rows(lse, cfg.block_m), _gluon_rows(delta, cfg.block_m),
         softmax_scale=p.softmax_scale, order_heads=order_heads, **common,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
@@ -380,9 +402,11 @@ def _hopper_dq(q, k, v, out, dout, lse, dlse, delta, lse_rows, dq, p: AttentionP
     batch, n, common = _hopper_common(q, k, lse, p, cfg.rows)
     tiles = cfg.dq
     stride_rb, stride_rh = _lse_strides(delta, p.varlen)
+    flat = _flat(common, q, k, v, dout, dq, out)
     return _DQ_SM90.bind(_heads_grid(cdiv(n, 2 * tiles.block_m), batch, common["H"]))(
-        _gluon_view(q, tiles.block_m), _gluon_view(k, tiles.block_n), _gluon_view(v, tiles.block_n),
-        _gluon_view(dout, tiles.block_m), None if p.fp32_results else _gluon_view(dq, tiles.block_m), dq,
+        _gluon_view(q, tiles.block_m, flat=flat), _gluon_view(k, tiles.block_n, flat=flat),
+        _gluon_view(v, tiles.block_n, flat=flat), _gluon_view(dout, tiles.block_m, flat=flat),
+        None if p.fp32_results else _gluon_view(dq, tiles.block_m, flat=flat), dq,
         *_strides(dq, p.varlen), lse, delta, lse_rows, out, dlse, *_strides(out, p.varlen), stride_rb=stride_rb,
         stride_rh=stride_rh, softmax_scale=p.softmax_scale, **common, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         STAGES=tiles.stages,

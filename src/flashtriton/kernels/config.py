@@ -124,6 +124,11 @@ class HopperBackwardConfig:
 # The most K/V heads in one group of order_programs.
 ORDER_HEADS = 16
 
+# Calls without a band whose batches' rows follow one another in whole tiles (contiguous (B, N, H, D), say) reach the
+# Gluon kernels as one sequence of B * N rows, through rank-3 (B * N, H, D) descriptors (triton_backend._flat): faster
+# than rank-4 (B, N, H, D) ones there; causal calls ran slower with them (benchmarks/DECISIONS.md, "flat view").
+FLAT_VIEW_BANDED = False
+
 # Rows of the preprocessing kernel (delta = rowsum(dO * O)) per program.
 PREPROCESS_BLOCK_M = 64
 

@@ -43,6 +43,7 @@ from .primitives import (
     barriers,
     fill,
     flat_layout,
+    flat_view,
     give,
     halves,
     mma_layout,
@@ -382,7 +383,7 @@ def attention_backward_dkdv_sm90_kernel(
     b = pid_bh // hkv
     hk = pid_bh % hkv
     n0 = pid_n * KEYS
-    bc, seq0, N, _ = sequence(CU_SEQLENS, b, N, VARLEN)
+    bc, seq0, N, _ = sequence(CU_SEQLENS, b, N, VARLEN, flat_view(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc))
     if VARLEN:
         if n0 >= N:
             return
@@ -425,7 +426,7 @@ def attention_backward_dkdv_sm90_kernel(
     # of LSE and DELTA, as flat vectors in their aligned rows
     lse_row = b * stride_lb + h0 * stride_lh + rows_start(CU_SEQLENS, b, VARLEN) + first_query
     q_row = seq0 + first_query
-    sums_row = bc * sums_rows + q_row
+    sums_row = q_row if VARLEN else b * sums_rows + first_query  # a batch's sums start at b * sums_rows, either view
     producer = (q_desc, do_desc, lse_desc, delta_desc, steps, [bc, q_row, h0, 0], lse_row, stride_lh, n_steps, GROUP,
                 BLOCK_M)  # fmt: skip
     if SPLIT_D:

@@ -31,6 +31,7 @@ from .primitives import (
     at,
     barriers,
     fill,
+    flat_view,
     give,
     head_program,
     in_band,
@@ -139,7 +140,7 @@ def attention_backward_dq_sm90_kernel(
     b = pid_bh // H
     h = pid_bh % H
     m0, bc, seq0, N, lse0 = query_tile(gl.program_id(0), b, gl.num_programs(0), N, CU_SEQLENS, CAUSAL, VARLEN,
-                                       2 * BLOCK_M)  # fmt: skip
+                                       flat_view(q_desc, k_desc, v_desc, do_desc, dq_desc), 2 * BLOCK_M)  # fmt: skip
     if m0 >= N:  # past the end of a shorter varlen sequence
         return
     q = [bc, seq0 + m0, h, 0]

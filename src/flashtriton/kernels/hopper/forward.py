@@ -38,6 +38,7 @@ from .primitives import (
     TWO_CONSUMER_REGISTERS,
     at,
     fill,
+    flat_view,
     give,
     halves,
     in_band,
@@ -125,7 +126,7 @@ def _entry(schedule, first, i, count):
 
 @gluon.jit
 def _forward_tile(e, schedule, n_m, N, H, CU_SEQLENS, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
-                  VARLEN: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+                  VARLEN: gl.constexpr, FLAT: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
     """A program's tile e (_entry): (whether it has rows, r, batch, head, first query row in the sequence, the
     sequence's length, its batch coordinate and first row, its first LSE column, then key_tiles' two). r = 1 marks a
     tile whose warpgroups take their row blocks in reverse (_block_of). Without a table, unit e // (1 + CAUSAL) of the
@@ -152,7 +153,7 @@ def _forward_tile(e, schedule, n_m, N, H, CU_SEQLENS, window_left, CAUSAL: gl.co
         h = (e >> (1 + m_bits)) & ((1 << h_bits) - 1)
         r = e & 1
         is_tile = True  # every entry of the table is one
-    m0, bc, seq0, n, lse0 = query_tile(pid_m, b, n_m, N, CU_SEQLENS, CAUSAL, VARLEN, ROWS)
+    m0, bc, seq0, n, lse0 = query_tile(pid_m, b, n_m, N, CU_SEQLENS, CAUSAL, VARLEN, FLAT, ROWS)
     key0, n_tiles = key_tiles(m0, ROWS, n, window_left, CAUSAL, LEFT, BLOCK_N)
     valid = (m0 < n) & is_tile  # m0 < n: not past a shorter varlen sequence
     return valid, r, b, h, m0, n, bc, seq0, lse0, key0, n_tiles
@@ -181,7 +182,7 @@ def _forward_producer(q_desc, k_desc, v_desc, q_rings, k_ring, v_ring, N, H, GRO
     for i in range(count):
         valid, r, _, h, m0, _, bc, seq0, _, key0, n_tiles = _forward_tile(
             _entry(schedule, first, i, count), schedule, n_m, N, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN,
-            len(q_rings) * BLOCK_M, BLOCK_N,
+            flat_view(q_desc), len(q_rings) * BLOCK_M, BLOCK_N,
         )  # fmt: skip
         if valid:
             for w in gl.static_range(len(q_rings)):
@@ -297,8 +298,8 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
 
 @gluon.jit
 def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
-                      VARLEN: gl.constexpr, RAGGED: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
-                      D: gl.constexpr, HEAD_D: gl.constexpr, TREE: gl.constexpr,
+                      VARLEN: gl.constexpr, FLAT: gl.constexpr, RAGGED: gl.constexpr, CONSUMERS: gl.constexpr,
+                      BLOCK_N: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, TREE: gl.constexpr,
                       PINGPONG: gl.constexpr):  # fmt: skip
     """Warpgroup W's rows of each of this program's tiles (its Q tiles come through q_ring). It multiplies only
     the key tiles its rows see (causal, a tile of three warpgroups' rows streams more than its first warpgroup
@@ -327,7 +328,7 @@ def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEF
     for i in range(count):
         e_next = _entry(schedule, first, i + 1, count)  # a tile ahead: off the tile's start
         valid, r, b, h, m0, n, bc, seq0, lse0, key0, n_tiles = _forward_tile(
-            e, schedule, n_m, N, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN, CONSUMERS * BLOCK_M, BLOCK_N
+            e, schedule, n_m, N, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN, FLAT, CONSUMERS * BLOCK_M, BLOCK_N
         )
         if valid:
             first_row = m0 + _block_of(W, r, CONSUMERS, BLOCK_M, BLOCK_N) * BLOCK_M
@@ -361,7 +362,7 @@ def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEF
                 if len(o_store) > 0 and not (VARLEN and RAGGED and first_row + BLOCK_M > n):
                     o_desc, o_bufs = o_store
                     o_smem = o_bufs.index(W)
-                    piece: gl.constexpr = o_desc.block_type.shape[3]
+                    piece: gl.constexpr = o_desc.block_type.shape[-1]
                     out = acc.to(o_desc.dtype)
                     if piece == D:
                         stage_out(o_desc, o_smem, out, coord)
@@ -393,14 +394,16 @@ def attention_forward_sm90_kernel(
     and tile in bit fields m_bits and h_bits wide: _forward_tile) or, where SCHEDULE is None, units i, i + P, ... of
     ``units`` (_forward_tile), a tile being CONSUMERS * BLOCK_M query rows of one head (2 or 3 consumer warpgroups
     of BLOCK_M rows each).
-    q/k/v_desc: (B, N, H, HEAD_D) tensors (primitives.py), blocks of [1, rows, 1, D] (D >= HEAD_D): B sequences of
-    N rows, or with VARLEN one batch row, sequence b at rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] (N the longest);
+    q/k/v_desc: (B, N, H, HEAD_D) tensors (primitives.py), blocks of [1, rows, 1, D] (D >= HEAD_D), or their flat
+    (B * N, H, HEAD_D) views, blocks of [rows, 1, D] (all of them, or none): B sequences of N rows, or with VARLEN one
+    batch row, sequence b at rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] (N the longest);
     RAGGED: some sequence is not a whole number of tiles. O: the output, (B, N, H, HEAD_D) with those strides,
-    stored from registers, or through o_desc (blocks of [1, BLOCK_M, 1, D or D / 2]) when that is not None; LSE:
+    stored from registers, or through o_desc (blocks of BLOCK_M rows, D or D / 2 columns) when that is not None; LSE:
     each row's natural-log LSE, or None where the caller needs none; SINKS: (H,) fp32 logits, one more per row, or
     None. Rings of shared memory: Q_STAGES tiles per consumer warpgroup, STAGES K tiles and STAGES V tiles. CAUSAL:
     query i sees keys j <= i, and with LEFT only j >= i - window_left. TREE_ROWS: the softmax's row max and sum as
     trees (_row_max). PINGPONG: the consumers issue their MMAs in turns (_await_turn)."""
+    FLAT: gl.constexpr = flat_view(q_desc, k_desc, v_desc, o_desc)
     k_ring = ring((tiles(k_desc, STAGES),), CONSUMERS)
     v_ring = ring((tiles(v_desc, STAGES),), CONSUMERS)
     q0 = ring((tiles(q_desc, Q_STAGES),), 1)
@@ -423,9 +426,9 @@ def attention_forward_sm90_kernel(
     if CONSUMERS == 2:
         gl.warp_specialize(
             [
-                (_forward_consumer, (shared, q0, 0, CAUSAL, LEFT, VARLEN, RAGGED, CONSUMERS, BLOCK_N, D, HEAD_D,
+                (_forward_consumer, (shared, q0, 0, CAUSAL, LEFT, VARLEN, FLAT, RAGGED, CONSUMERS, BLOCK_N, D, HEAD_D,
                                      TREE_ROWS, PINGPONG)),
-                (_forward_consumer, (shared, q1, 1, CAUSAL, LEFT, VARLEN, RAGGED, CONSUMERS, BLOCK_N, D, HEAD_D,
+                (_forward_consumer, (shared, q1, 1, CAUSAL, LEFT, VARLEN, FLAT, RAGGED, CONSUMERS, BLOCK_N, D, HEAD_D,
                                      TREE_ROWS, PINGPONG)),
                 (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1), k_ring, v_ring, N, H, GROUP, CU_SEQLENS, units,
                                      schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N)),
@@ -437,11 +440,11 @@ def attention_forward_sm90_kernel(
         q2 = ring((tiles(q_desc, Q_STAGES),), 1)
         gl.warp_specialize(
             [
-                (_forward_consumer, (shared, q0, 0, CAUSAL, LEFT, VARLEN, RAGGED, CONSUMERS, BLOCK_N, D, HEAD_D,
+                (_forward_consumer, (shared, q0, 0, CAUSAL, LEFT, VARLEN, FLAT, RAGGED, CONSUMERS, BLOCK_N, D, HEAD_D,
                                      TREE_ROWS, PINGPONG)),
-                (_forward_consumer, (shared, q1, 1, CAUSAL, LEFT, VARLEN, RAGGED, CONSUMERS, BLOCK_N, D, HEAD_D,
+                (_forward_consumer, (shared, q1, 1, CAUSAL, LEFT, VARLEN, FLAT, RAGGED, CONSUMERS, BLOCK_N, D, HEAD_D,
                                      TREE_ROWS, PINGPONG)),
-                (_forward_consumer, (shared, q2, 2, CAUSAL, LEFT, VARLEN, RAGGED, CONSUMERS, BLOCK_N, D, HEAD_D,
+                (_forward_consumer, (shared, q2, 2, CAUSAL, LEFT, VARLEN, FLAT, RAGGED, CONSUMERS, BLOCK_N, D, HEAD_D,
                                      TREE_ROWS, PINGPONG)),
                 (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1, q2), k_ring, v_ring, N, H, GROUP, CU_SEQLENS,
                                      units, schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N)),

@@ -6,7 +6,9 @@ is 1, the rest 16-byte multiples), in blocks of [1, rows, 1, cols]: coordinates 
 (0 for a varlen batch, whose sequences lie along the rows). TMA fills rows past the tensor's N with zeros and drops
 stores to them, so a dense sequence may end inside a tile; it does the same with columns past HEAD_D, so a head dim
 between the kernels' widths D (64, 128, 256) runs at the next. A block lands in a [rows, cols] shared-memory tile of
-the same swizzle (flat_layout): the bytes are the same.
+the same swizzle (flat_layout): the bytes are the same. Where every batch's rows follow the last's in whole tiles,
+the launcher may pass the flat view instead (config.FLAT_VIEW_BANDED): a rank-3 (B * N, H, HEAD_D) descriptor in
+blocks of [rows, 1, cols], batch b's rows from b * N on (sequence), its coordinates [row, head, col] (box).
 
 A ring is (tiles, ready, empty): ``tiles`` a tuple of shared-memory arrays of as many slots each, slot s holding
 tile s of each; ``ready[s]`` completes a phase when the producer's loads into slot s have landed, ``empty[s]`` when
@@ -57,7 +59,7 @@ def flat_layout(desc):
 
 @triton.constexpr_function
 def block_rows(desc):
-    """A descriptor's rows per block (its [1, rows, 1, cols] or [rows, cols] blocks)."""
+    """A descriptor's rows per block (its [1, rows, 1, cols], [rows, 1, cols] or [rows, cols] blocks)."""
     return desc.block_type.shape[-3] if len(desc.block_type.shape) == 4 else desc.block_type.shape[0]
 
 
@@ -103,13 +105,34 @@ def band_only(p_t, rows, keys, window_left, LEFT: gl.constexpr):
 
 
 @gluon.jit
-def sequence(CU_SEQLENS, b, N, VARLEN: gl.constexpr):
-    """(sequence b's batch coordinate and first row in the descriptors, its length, its first LSE column)."""
+def sequence(CU_SEQLENS, b, N, VARLEN: gl.constexpr, FLAT: gl.constexpr):
+    """(sequence b's batch coordinate and first row in the descriptors, its length, its first LSE column). FLAT: the
+    descriptors see the batch as one sequence of B * N rows (flat_view), sequence b from row b * N."""
     if VARLEN:
         start = gl.load(CU_SEQLENS + b)
         return b * 0, start, gl.load(CU_SEQLENS + b + 1) - start, start  # b * 0: a tensor, as dense's b
+    elif FLAT:
+        return b * 0, b * N, N, 0
     else:
         return b, 0, N, 0
+
+
+@triton.constexpr_function
+def flat_view(*descs):
+    """Whether descs (None aside) are flat (B * N, H, D) descriptors (blocks [rows, 1, cols]) rather than (B, N, H, D)
+    ones: all of them or none, as a kernel addresses them all with one coordinate."""
+    ranks = {len(desc.block_type.shape) for desc in descs if desc is not None}
+    assert len(ranks) == 1, f"flat and (B, N, H, D) descriptors in one launch: ranks {sorted(ranks)}"
+    return ranks == {3}
+
+
+@gluon.jit
+def box(desc, coord):
+    """A coordinate [batch, row, head, col] as desc takes it: a flat view's has no batch (sequence() made it 0)."""
+    if flat_view(desc):
+        return [coord[1], coord[2], coord[3]]
+    else:
+        return coord
 
 
 @gluon.jit
@@ -128,12 +151,14 @@ def rows_start(CU_SEQLENS, b, VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def query_tile(pid_m, b, n_m, N, CU_SEQLENS, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, ROWS: gl.constexpr):
+def query_tile(
+    pid_m, b, n_m, N, CU_SEQLENS, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, FLAT: gl.constexpr, ROWS: gl.constexpr
+):
     """(first query row in the sequence, then sequence's four) of query tile pid_m of n_m (ROWS rows each) of a head
     of batch b; causal tiles are numbered longest first, so the short ones come last."""
     if CAUSAL:
         pid_m = n_m - 1 - pid_m
-    bc, seq0, n, lse0 = sequence(CU_SEQLENS, b, N, VARLEN)
+    bc, seq0, n, lse0 = sequence(CU_SEQLENS, b, N, VARLEN, FLAT)
     return pid_m * ROWS, bc, seq0, n, lse0
 
 
@@ -186,7 +211,7 @@ def fill(descs, coords, ring, i):
     bar = ready.index(s)
     mbarrier.expect(bar, slot_bytes(descs))
     for t in gl.static_range(len(descs)):
-        tma.async_copy_global_to_shared(descs[t], coords[t], bar, bufs[t].index(s))
+        tma.async_copy_global_to_shared(descs[t], box(descs[t], coords[t]), bar, bufs[t].index(s))
 
 
 @gluon.jit
@@ -217,7 +242,7 @@ def resident(desc, bar, coord, n: gl.constexpr):
     expected bytes the caller has set."""
     bufs = tiles(desc, n)
     for w in gl.static_range(n):
-        tma.async_copy_global_to_shared(desc, at(coord, w * block_rows(desc)), bar, bufs.index(w))
+        tma.async_copy_global_to_shared(desc, box(desc, at(coord, w * block_rows(desc))), bar, bufs.index(w))
     return bufs
 
 
@@ -257,7 +282,7 @@ def store(desc, value, smem, coord):
     """value to desc's tile at coord through TMA, staged in smem (a buffer the program no longer reads)."""
     smem.store(value.to(desc.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(desc, coord, smem)
+    tma.async_copy_shared_to_global(desc, box(desc, coord), smem)
     tma.store_wait(0)
 
 
@@ -286,7 +311,7 @@ def stage_out(desc, smem, value, coord):
     tma.store_wait(0)
     smem.store(value)
     fence_async_shared()
-    tma.async_copy_shared_to_global(desc, coord, smem)
+    tma.async_copy_shared_to_global(desc, box(desc, coord), smem)
 
 
 @gluon.jit
