@@ -10,6 +10,10 @@ causal window of WINDOW rows ("-win" providers). Efficiency is per-GPU TFLOP/s a
 (with the window, whose work per GPU is the same at every world size: time on one GPU over time at world 4). Then
 rank 0 profiles one ragged world-4 fwd+bwd at 128k per GPU and writes its kernels' device time
 (DIR/profile_rank0.txt). Without a GPU it runs tiny fp32 cases on gloo (a dry run).
+
+``--profile-only`` (no base build needed) profiles the ragged H16 cases at 128k and 32k per GPU instead
+(DIR/profile_rank0_<case>.txt), each with rank 0's host time of a call (until it returns; a wait on the GPU
+inside it counts) beside its wall time: where the two meet, the call waits on the host or on a sync.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
-import flashtriton_base.distributed as base
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
@@ -40,6 +45,8 @@ def _window_call(ring_flash_attn_func):
 
 
 def _base_call(case: R.RingCase, group, q, k, v):
+    import flashtriton_base.distributed as base
+
     if not case.ragged:
         return lambda: base.ring_flash_attn_func(q, k, v, group=group, causal=True), contextlib.nullcontext
     packed = R._packed(case, q, k, v)
@@ -53,8 +60,9 @@ def _cases(cuda: bool, world: int) -> list[R.RingCase]:
     return [R.RingCase(n, h, hk, 128, w, ragged) for ragged, n, h, hk in shapes for w in (1, world)]
 
 
-def _profile(case: R.RingCase, group, device: torch.device, out: Path, rank: int) -> None:
-    """Rank 0's kernels in one fwd+bwd of this tree's ring on ``case``, by device time."""
+def _profile(case: R.RingCase, group, device: torch.device, out: Path, rank: int, name: str) -> None:
+    """Rank 0's kernels in one fwd+bwd of this tree's ring on ``case``, by device time; and its host and wall ms per
+    call (median of 5)."""
     q, k, v = R._inputs(case, device, rank)
     forward, _ = R._ring_call(case, group, q, k, v)
     grad = torch.randn_like(forward())
@@ -62,6 +70,15 @@ def _profile(case: R.RingCase, group, device: torch.device, out: Path, rank: int
         forward().backward(grad)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
+    host, wall = [], []
+    for _ in range(5):
+        dist.barrier()
+        sync()
+        start = time.perf_counter()
+        forward().backward(grad)
+        host.append(time.perf_counter() - start)
+        sync()
+        wall.append(time.perf_counter() - start)
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         forward().backward(grad)
@@ -70,20 +87,22 @@ def _profile(case: R.RingCase, group, device: torch.device, out: Path, rank: int
         return
     kernels = [e for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
     rows = sorted(((e.device_time_total / 1e3, e.count, e.key) for e in kernels), reverse=True)
-    lines = [f"{sum(ms for ms, _, _ in rows):9.2f} ms        all kernels of {case.name}, rank 0"]
+    lines = [
+        f"{statistics.median(wall) * 1e3:9.2f} ms        a call's wall time, rank 0 (median of 5)",
+        f"{statistics.median(host) * 1e3:9.2f} ms        its host time (until the call returns)",
+        f"{sum(ms for ms, _, _ in rows):9.2f} ms        all kernels of {case.name}, rank 0",
+    ]
     lines += [f"{ms:9.2f} ms {count:5d}  {name[:110]}" for ms, count, name in rows[:40]]
-    (out / "profile_rank0.txt").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[:20]))
+    (out / name).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:22]))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="ring-ab")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--profile-only", action="store_true", help="only profile the ragged H16 cases at world 4")
     args = parser.parse_args()
-    R.CALLS_OF["ring-base"] = _base_call
-    R.CALLS_OF["ring-win"] = _window_call(R.ring_flash_attn_func)
-    R.CALLS_OF["ring-win-base"] = _window_call(base.ring_flash_attn_func)
     cuda = torch.cuda.is_available()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
@@ -92,6 +111,18 @@ def main() -> int:
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     groups = {1: dist.new_group([0]), world: dist.new_group(list(range(world)))}
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.profile_only:
+        for case in (c for c in _cases(cuda, world) if c.ragged and c.heads == c.heads_k and c.world == world):
+            _profile(case, groups[world], device, out, rank, f"profile_rank0_{case.name.split('/')[0]}.txt")
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+    import flashtriton_base.distributed as base
+
+    R.CALLS_OF["ring-base"] = _base_call
+    R.CALLS_OF["ring-win"] = _window_call(R.ring_flash_attn_func)
+    R.CALLS_OF["ring-win-base"] = _window_call(base.ring_flash_attn_func)
     results = []
     for case in _cases(cuda, world):
         providers = ["ring", "ring-base"] + ([] if case.ragged else ["ring-win", "ring-win-base"])
@@ -101,7 +132,6 @@ def main() -> int:
         if rank == 0:
             print(f"{case.name}: done", file=sys.stderr, flush=True)
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
         single = {(r.case, r.provider): r for r in results if r.case.world == 1}
         rows = []
         print(f"{'case':<34}{'provider':<14}{'ms':>10}{'efficiency':>12}{'peak MiB':>10}")
@@ -114,7 +144,7 @@ def main() -> int:
             print(f"{r.case.name:<34}{r.provider:<14}{r.ms or 0:>10.2f}{eff or 0:>12.1%}{r.peak_mib or 0:>10.0f}")
         (out / "ring_ab.json").write_text(json.dumps(rows, indent=1))
     ragged = _cases(cuda, world)[1]
-    _profile(ragged, groups[world], device, out, rank)
+    _profile(ragged, groups[world], device, out, rank, "profile_rank0.txt")
     dist.barrier()
     dist.destroy_process_group()
     return 0
