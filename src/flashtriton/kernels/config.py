@@ -254,8 +254,8 @@ _SM90_HOPPER_BACKWARD = {
     128: HopperBackwardConfig(
         HopperForwardConfig(64, 128, 2), 64, 64, 2, 2048, order_programs=128, unbanded_registers=240
     ),
-    # registers for dK, dV of 64 keys x 128 columns: the warpgroups split D (split_d); fused at every span, no dQ kernel;
-    # causal key blocks in groups of about 32 programs (DECISIONS: "Backward configs against the causal regression")
+    # registers for dK, dV of 64 keys x 128 columns: the warpgroups split D (split_d); fused at every span, no dQ
+    # kernel; causal key blocks in groups of about 32 programs (DECISIONS: "Backward configs against the causal ...")
     256: HopperBackwardConfig(None, 64, 64, 2, 0, split_d=True, order_programs=32),
 }
 
