@@ -192,6 +192,8 @@ def _refusals(world: int, device: torch.device) -> dict[str, str]:
             q, q, q, group=_GROUPS[(world, 2)]["ulysses_group"], ulysses_group=_GROUPS[(world, 2)]["ulysses_group"]
         ),
     }
+    outside = dist.new_group([1])  # made by every rank; rank 0, whose refusals are saved, is not in it
+    calls["not_a_member"] = lambda: ring_flash_attn_func(q, q, q, group=outside)
     if world == 4:  # a ring of ranks at different places in their Ulysses groups: 0 (first of 0, 1), 3 (second of 2, 3)
         crossed = {"group": _GROUPS[(world, "crossed")], "ulysses_group": _GROUPS[(world, 2)]["ulysses_group"]}
         calls["two_d_crossed"] = lambda: ring_flash_attn_func(q, q, q, **crossed)
@@ -252,6 +254,8 @@ def worker(rank: int, world: int, store: str, cases: list[Case], out_path: str, 
             result["simulated"] = _everywhere(all(torch.equal(simulated[n], mine[n]) for n in NAMES), device)
         saved[case.name] = result
     saved["refusals"] = _refusals(world, device)
+    empty = torch.zeros(1, 0, 2, 16, device=device)  # shards of an empty sequence under a window: nothing to trade
+    saved["empty_window"] = tuple(ring_flash_attn_func(empty, empty, empty, window_size=(2, 0)).shape)
     if rank == 0:
         torch.save(saved, out_path)
     dist.destroy_process_group()

@@ -109,6 +109,8 @@ SIMULATED = [
     Case("zigzag-causal-bf16", "ring", True, "bfloat16", rows=4, heads=2, heads_k=2),
     Case("zigzag-full-bf16", "ring", False, "bfloat16", rows=4, heads=2, heads_k=1),
     Case("zigzag-window-bf16", "ring", True, "bfloat16", rows=4, heads=2, heads_k=1, window=(5, 0)),
+    # causal with a right bound: flash_attn's rule makes it (5, 0)
+    Case("zigzag-causal-window-right-fp32", "ring", True, "float32", rows=4, heads=2, heads_k=1, window=(5, 3)),
     Case("contiguous-window-fp32", "ring", False, "float32", layout=CONTIGUOUS, rows=4, heads=2, window=(3, 0)),
     Case("contiguous-causal-fp32", "ring", True, "float32", layout=CONTIGUOUS, rows=4, heads=2, heads_k=1),
     Case("varlen-zigzag-causal-fp32", "varlen", True, "float32", heads=2, heads_k=1, documents=(2, 0, 1, 3)),
@@ -383,6 +385,8 @@ def test_groups_match_the_reference(world, backend, tmp_path):
     assert refusals["two_d_heads"].startswith("ValueError") and "multiples of 2" in refusals["two_d_heads"]
     assert refusals["two_d_no_ring"].startswith("ValueError") and "pass group=" in refusals["two_d_no_ring"]
     assert refusals["two_d_same_groups"].startswith("ValueError") and "no other" in refusals["two_d_same_groups"]
+    assert refusals["not_a_member"].startswith("ValueError") and "a group this rank is in" in refusals["not_a_member"]
+    assert saved["empty_window"] == (1, 0, 2, 16)
     if world == 4:
         assert refusals["two_d_crossed"].startswith("ValueError") and "one place" in refusals["two_d_crossed"]
 

@@ -16,10 +16,10 @@ def check_group(group: dist.ProcessGroup | None, q: torch.Tensor) -> None:
         if group is not None:
             raise ValueError("a group was given but torch.distributed is not initialised: call init_process_group")
         return
+    if dist.get_rank(group) < 0:  # before get_backend, which refuses such a group in torch's own words
+        raise ValueError(f"rank {dist.get_rank()} is not in the group it passed: call with a group this rank is in")
     if dist.get_backend(group) == "nccl" and q.device.type != "cuda":
         raise ValueError(f"the group's backend is NCCL, which moves CUDA tensors; q is on {q.device}: use a gloo group")
-    if dist.get_rank(group) < 0:
-        raise ValueError(f"rank {dist.get_rank()} is not in the group it passed: call with a group this rank is in")
 
 
 def check_self_attention(q: torch.Tensor, k: torch.Tensor, seq_dim: int) -> None:
@@ -65,14 +65,16 @@ def ring_scale(softmax_scale: float | None, head_dim: int) -> float:
 
 def ring_window(window_size, causal: bool, varlen: bool = False) -> tuple[int, bool]:
     """(left bound, causal) of the ring's mask: no window, causal, or a causal sliding window (a left bound, -1 for
-    none, with a right bound of 0); other windows raise."""
+    none, with a right bound of 0, which causal=True sets whatever window_size says); other windows raise."""
     left, right = check_window(window_size)
-    causal = bool(causal) or right == 0
+    if causal:
+        right = 0  # flash_attn's rule (interface._params): causal is the window's right edge at the diagonal
+    causal = right == 0
     if (left, right) == (-1, -1) or (left == -1 and causal):
         return -1, causal
-    if varlen or not causal or right > 0:
+    if varlen or not causal:
         raise NotImplementedError(
-            "the ring takes causal sliding windows (window_size=(left, 0), or causal=True with (left, -1)) of dense "
+            "the ring takes causal sliding windows (window_size=(left, 0), or causal=True with any window) of dense "
             f"shards only, got window_size={window_size}{' on a packed batch' if varlen else ''}: use "
             "ulysses_flash_attn_func, which takes any window"
         )

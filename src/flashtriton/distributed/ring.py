@@ -122,9 +122,10 @@ def ring_flash_attn_func(
     multiple of 2 * world) or "contiguous" (chunk r of world). nheads a multiple of nheads_k (GQA: only the nheads_k
     K/V heads travel); headdim a multiple of 8 up to 256; softmax_scale > 0 (default 1 / sqrt(headdim)).
     causal: query i sees key j iff j <= i in the full sequence. window_size: (-1, -1), or a causal sliding window
-    (left, 0): query i sees keys i - left .. i (other windows raise NotImplementedError; ulysses_flash_attn_func takes
-    any); its calls are square pieces of the chunks the band meets. group: a process group (gloo for CPU tensors,
-    NCCL for CUDA); None: the default group, or no communication at all when torch.distributed is not initialised.
+    (left, 0): query i sees keys i - left .. i (causal=True sets the right bound to 0, as flash_attn does; other
+    windows raise NotImplementedError; ulysses_flash_attn_func takes any); its calls are square pieces of the chunks
+    the band meets. group: a process group (gloo for CPU tensors, NCCL for CUDA); None: the default group, or no
+    communication at all when torch.distributed is not initialised.
     deterministic: bitwise reproducible gradients (the ring adds the steps' shares in a fixed order either way).
 
     ulysses_group: the 2-D form. The sequence is split over ``group`` (the ring) and each ring shard again over
@@ -152,7 +153,8 @@ def ring_flash_attn_func(
     check_local_rows(q.shape[1] * parts, world, layout)
     params = S.partial_params(scale, bool(deterministic))
     rows = q.shape[1] * parts
-    if window_left >= 0 and world > 1:  # every rank's plan: what this rank trades with each
+    # every rank's plan under a window: what this rank trades with each (empty shards take the dense plan's steps)
+    if window_left >= 0 and world > 1 and rows:
         bands = _halo(world, rank, rows, layout, window_left, params)
         call = _Call(group, world, rank, bands.plans[rank], bands)
     else:
