@@ -57,7 +57,7 @@ def world_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-_TWO_D_CHECKED: set[tuple[int, int]] = set()  # (ring group, Ulysses group) pairs found consistent on every rank
+_TWO_D_CHECKED: set[tuple[str, str]] = set()  # (ring group, Ulysses group) names found consistent on every rank
 
 
 def check_two_d(group: dist.ProcessGroup | None, ulysses_group: dist.ProcessGroup) -> None:
@@ -74,7 +74,7 @@ def check_two_d(group: dist.ProcessGroup | None, ulysses_group: dist.ProcessGrou
             f"the ring's group {ring} and the Ulysses group {heads} must share this rank ({rank}) and no other: a "
             "ring takes one rank of each Ulysses group"
         )
-    key = (id(group), id(ulysses_group))
+    key = (group.group_name, ulysses_group.group_name)  # unique in the process, unlike id() once a group is gone
     if key in _TWO_D_CHECKED:
         return
     places = [None] * dist.get_world_size(group)
