@@ -282,6 +282,10 @@ def test_autocast_runs_in_autocast_dtype(backend):
     assert out.dtype == dtype
     ref, _ = flashtriton.attention_reference(q, k, v)
     torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
+    # as a model hands them over under autocast: q and k out of an fp32 rotary, v in the autocast dtype
+    with torch.autocast(backend.device, dtype=dtype):
+        mixed = flash_attn_func(q, k, v.to(dtype))
+    torch.testing.assert_close(mixed, out, atol=0, rtol=0)
 
 
 # fp32 results (AttentionParams.fp32_results): each sm90 Gluon path on the GPU (forward; fused dK/dV at D=64, 128,

@@ -189,6 +189,21 @@ def test_window_size_as_list_or_tensor(backend):
     assert torch.equal(ft.flash_attn_varlen_func(*packed, cu_q, cu_k, 30, 40, window_size=torch.tensor([3, 1])), varlen)
 
 
+@pytest.mark.parametrize("backend", NOT_INTERPRETED, ids=str, indirect=True)
+def test_a_window_bound_of_seqlen_k_or_more_is_none(backend):
+    """flash_attn drops a bound of seqlen_k keys or more (max_seqlen_k, varlen) before anything else: with more
+    queries than keys, a right bound that long would still hide every key from the first queries."""
+    q, k, v = random_qkv(Shape(2, 8, 2, 2, 1, 16), torch.float32, backend.device, requires_grad=False)
+    unbounded = ft.flash_attn_func(q, k, v)
+    assert unbounded.abs().amin(-1).amin(-1).gt(0).all()  # every query sees a key: a bound that hid them would show
+    for window in ((-1, 3), (2, 5), (7, 2)):
+        torch.testing.assert_close(ft.flash_attn_func(q, k, v, window_size=window), unbounded, atol=0, rtol=0)
+    packed = [x.flatten(0, 1) for x in (q, k, v)]
+    cu_q, cu_k = (torch.tensor([0, n, 2 * n], dtype=torch.int32, device=q.device) for n in (8, 2))
+    varlen = ft.flash_attn_varlen_func(*packed, cu_q, cu_k, 8, 2, window_size=(-1, 3))
+    torch.testing.assert_close(varlen, unbounded.flatten(0, 1), atol=0, rtol=0)
+
+
 @triton.jit
 def _halve_score(score, b, h, q_idx, kv_idx):
     return score * 0.5

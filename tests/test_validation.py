@@ -100,6 +100,11 @@ VARLEN_CASES = {
     "cu-rank": (lambda: with_arg(4, lambda a: a[4][None]), ValueError, r"cu_seqlens_k must have 1 dims"),
     "cu-not-tensor": (lambda: with_arg(3, [0, 3, 3, 8]), TypeError, "cu_seqlens_q must be a torch.Tensor"),
     "cu-device": (lambda: with_arg(3, lambda a: a[3].to("meta")), ValueError, r"cu_seqlens_q.to\(q.device\)"),
+    "cu-strided": (  # the kernels read entry b at cu + b
+        lambda: with_arg(4, lambda a: torch.stack([a[4], a[4]], 1)[:, 0]),
+        ValueError,
+        r"cu_seqlens_k.contiguous\(\)",
+    ),
     "cu-batch-mismatch": (lambda: with_arg(4, lambda a: a[4][:-1]), ValueError, "for the same batch"),
     "cu-not-from-0": (lambda: with_arg(3, lambda a: a[3] + 1), ValueError, "must start at 0"),
     "cu-decreasing": (

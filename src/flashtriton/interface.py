@@ -39,8 +39,18 @@ from .validation import (
 _Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]
 
 
+def _bounded_by(window_size, seqlen_k: int) -> tuple[int, int]:
+    """check_window's (left, right), with a bound of seqlen_k keys or more made none (-1), as flash_attn's C++ does
+    before anything else (a right bound that long still hides keys from the first queries when seqlen_q > seqlen_k;
+    flash_attn drops it)."""
+    return tuple(-1 if w >= seqlen_k else w for w in check_window(window_size))
+
+
 def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Under torch.autocast, run in the autocast dtype as other matmul-like ops do."""
+    """Under torch.autocast, run in the autocast dtype as other matmul-like ops do (anything but tensors as given:
+    the checks after say what is wrong)."""
+    if not all(isinstance(x, torch.Tensor) for x in tensors):
+        return tensors
     device_type = tensors[0].device.type
     if not torch.is_autocast_enabled(device_type):
         return tensors
@@ -117,8 +127,9 @@ def flash_attn_func(
 
     Returns out: (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, probs).
     """
+    q, k, v = _autocast(q, k, v)  # first: autocast may hand over q, k, v in different dtypes (a rotary in fp32)
     check_qkv(q, k, v)
-    window = check_window(window_size)
+    window = _bounded_by(window_size, k.shape[1])
     masks = _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window, alibi_slopes)
     params = _params(
         q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p, deterministic,
@@ -181,7 +192,7 @@ def _params(
 
 def _attention(q, k, v, params: AttentionParams, return_attn_probs: bool) -> _Result:
     head_dim = q.shape[-1]
-    q, k, v, params = _kernel_inputs(*_autocast(q, k, v), params)
+    q, k, v, params = _kernel_inputs(q, k, v, params)
     out, lse = ops.attention(q, k, v, params)
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
@@ -330,8 +341,9 @@ def flash_attn_varlen_func(
     first); head dims multiples of 8; no backward and no dropout (an inference call). The entries the call reads
     must be page indices of the cache (checked on the host once per block_table and lengths).
     """
+    q, k, v = _autocast(q, k, v)
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
-    window = check_window(window_size)
+    window = _bounded_by(window_size, int(max_seqlen_k))
     varlen = dict(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q),
         max_seqlen_k=int(max_seqlen_k),
@@ -482,7 +494,7 @@ def flash_attn_with_kvcache(
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     # flash_attn's: a bound of capacity or more is none, and rotary turns the queries row by row only under a bound
-    window = tuple(-1 if w >= capacity else w for w in check_window(window_size))
+    window = _bounded_by(window_size, capacity)
     params = _params(
         q, k_cache, v_cache, softmax_scale, causal, window, softcap, alibi_slopes, 0.0, False, return_softmax_lse,
         q.shape[0], gradients=False, sinks=sinks,

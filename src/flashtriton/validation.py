@@ -240,6 +240,8 @@ def check_varlen(
             raise ValueError(f"{name} is on {cu.device}, q on {q.device}: pass {name}.to(q.device)")
         if cu.shape[0] == 0:
             raise ValueError(f"{name} must have batch + 1 >= 1 entries, starting with 0; got an empty tensor")
+        if cu.stride(0) != 1:  # the kernels read entry b at cu + b
+            raise ValueError(f"{name} must be contiguous, got stride {cu.stride(0)}: pass {name}.contiguous()")
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(
             f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries, cu_seqlens_k {cu_seqlens_k.shape[0]}: "
