@@ -253,6 +253,44 @@ def test_custom_4d_mask_raises():
         model(input_ids=torch.randint(1, VOCAB, (1, 8)), attention_mask=mask)
 
 
+@pytest.mark.parametrize("decoder_rows", [1, 3, 12])
+def test_cross_attention_keeps_every_query_of_a_padded_encoder(decoder_rows):
+    """An encoder-decoder's cross-attention gets the encoder's padding mask: every decoder query is real (at lengths
+    that differ from the encoder's), each seeing the encoder's real tokens only, as SDPA with that mask."""
+
+    class CrossAttention(torch.nn.Module):
+        is_causal = False
+
+    q = torch.randn(2, 4, decoder_rows, 16)
+    k, v = (torch.randn(2, 4, 10, 16) for _ in range(2))
+    encoder = torch.ones(2, 10, dtype=torch.bool)
+    encoder[1, 6:] = False  # the second row's encoder input is right-padded
+    mask = integration.padding_mask(2, decoder_rows, 10, attention_mask=encoder)
+    out, _ = integration.attention(CrossAttention(), q, k, v, mask)
+    exact, plain = (
+        torch.nn.functional.scaled_dot_product_attention(
+            *(x.to(dtype) for x in (q, k, v)), attn_mask=encoder[:, None, None, :]
+        ).transpose(1, 2)
+        for dtype in (torch.float64, torch.float32)
+    )
+    assert_close_to_reference(f"cross-attention, {decoder_rows} decoder rows", out, exact, plain)
+
+
+def test_masks_the_attention_does_not_compute_raise():
+    """Chunked attention (Llama4) past its first chunk and unions of masks would otherwise run as plain causal
+    attention; within one chunk a chunked mask is causal and runs."""
+    masks = transformers.masking_utils
+    chunked = masks.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))
+    with pytest.raises(NotImplementedError, match="chunked"):
+        integration.padding_mask(1, 12, 12, mask_function=chunked)
+    assert integration.padding_mask(1, 4, 4, mask_function=chunked) is None
+    union = masks.or_masks(masks.causal_mask_function, masks.bidirectional_mask_function)
+    with pytest.raises(NotImplementedError, match="union of masks"):
+        integration.padding_mask(1, 8, 8, mask_function=union)
+    for plain in (masks.causal_mask_function, masks.sliding_window_causal_mask_function(4)):
+        assert integration.padding_mask(1, 8, 8, mask_function=plain) is None
+
+
 def test_register_rejects_flash_in_name():
     with pytest.raises(ValueError, match="contains 'flash'"):
         integration.register("my_flash_attention")

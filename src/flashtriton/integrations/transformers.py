@@ -70,6 +70,7 @@ def padding_mask(
     last kv_length keys, so the mask's last kv_length columns are theirs. A static cache holds kv_length rows of which
     only the first q_offset + q_length - kv_offset are written; the mask then covers those and the layer drops the rest.
     """
+    _check_mask_function(kwargs.get("mask_function"), q_offset + q_length, kv_offset + kv_length)
     written = q_offset + q_length - kv_offset
     if attention_mask is None:
         if bool(written >= kv_length):
@@ -80,6 +81,42 @@ def padding_mask(
     if mask.shape[1] == kv_length and bool(mask.all()):
         return None
     return mask
+
+
+# Overlays of transformers' masking_utils that the attention below does not compute (it takes causal or not, a sliding
+# window, padding and packing from its own arguments): chunked attention (Llama4) and blocks of bidirectional tokens.
+_UNSUPPORTED_OVERLAYS = ("chunked_overlay", "blockwise_overlay")
+
+
+def _check_mask_function(mask_function, queries_end, keys_end) -> None:
+    """Refuses a layer mask that this attention would silently replace by plain causal or bidirectional attention:
+    unions of masks (or_masks, which user overlays and images make) and the overlays above; a chunked mask passes
+    while every position lies in the first chunk (where it is causal). Masks are read through and_masks' closures;
+    functions it does not know (a user's and_mask_function) pass unseen."""
+    if mask_function is None:
+        return
+    name = getattr(mask_function, "__qualname__", "")
+    if name.startswith("or_masks"):
+        raise NotImplementedError(
+            "this layer's mask is a union of masks (or_mask_function, image tokens attending to each other), which "
+            "flashtriton's transformers attention does not compute: use attn_implementation='sdpa' for this model"
+        )
+    cells = dict(zip(mask_function.__code__.co_freevars, mask_function.__closure__ or (), strict=True))
+    if "mask_functions" in cells:  # and_masks: every one of them applies
+        for inner in cells["mask_functions"].cell_contents:
+            _check_mask_function(inner, queries_end, keys_end)
+        return
+    overlay = next((o for o in _UNSUPPORTED_OVERLAYS if name.startswith(o)), None)
+    if overlay is None:
+        return
+    chunk = cells["chunk_size"].cell_contents if "chunk_size" in cells else None
+    if chunk is not None and max(int(queries_end), int(keys_end)) <= chunk:
+        return  # one chunk: causal
+    raise NotImplementedError(
+        f"this layer's mask has a {overlay.removesuffix('_overlay')} overlay (chunked attention, as Llama4's, past its "
+        "first chunk; or blocks of bidirectional tokens), which flashtriton's transformers attention does not "
+        "compute: use attn_implementation='sdpa' for this model"
+    )
 
 
 def attention(
@@ -141,14 +178,20 @@ def _unpad_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def _padded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
-    """Attention of a padded batch through varlen: real tokens only, the queries being the mask's last n_q columns."""
+    """Attention of a padded batch through varlen: real tokens only, the queries being the mask's last n_q columns;
+    in a cross-attention (not causal, queries and keys of different lengths: an encoder's padding mask) every query.
+    A cross-attention whose encoder and decoder lengths are equal cannot be told from a self-attention here: it
+    takes the encoder's padding for its queries' too."""
     _check_padding_mask(mask, q.shape[0])
     mask = mask.bool()
     k, v = k[:, : mask.shape[1]], v[:, : mask.shape[1]]  # a static cache's unwritten rows are not keys
     if bool(mask.all()):
         return flash_attn_func(q, k, v, **options)
     rows_k, positions_k, cu_seqlens_k, max_k = _unpad_index(mask)
-    rows_q, positions_q, cu_seqlens_q, max_q = _unpad_index(mask[:, -q.shape[1] :])
+    queries = mask[:, -q.shape[1] :]
+    if not options["causal"] and q.shape[1] != k.shape[1]:  # cross-attention: the mask is the encoder's keys'
+        queries = torch.ones(q.shape[:2], dtype=torch.bool, device=mask.device)
+    rows_q, positions_q, cu_seqlens_q, max_q = _unpad_index(queries)
     out = flash_attn_varlen_func(
         q[rows_q, positions_q], k[rows_k, positions_k], v[rows_k, positions_k], cu_seqlens_q, cu_seqlens_k,
         max_q, max_k, **options,
