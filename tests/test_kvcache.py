@@ -337,6 +337,45 @@ def test_negative_leftpad_counts_as_zero(backend, case):
 
 
 @pytest.mark.parametrize("backend,case", target_params(ONE), indirect=["backend"])
+def test_negative_cache_seqlens_see_no_key(backend, case):
+    """A negative cache_seqlens (device data, never checked on the host) leaves its sequence no key: out 0 and LSE
+    +inf on every path, as a length of 0 gives."""
+    inputs = _inputs(replace(case, seqlens=(30, 9), n_q=2, n_new=0), backend.device)
+    inputs.kwargs["cache_seqlens"] = torch.tensor([-3, 9], dtype=torch.int32, device=backend.device)
+    out, lse, _, _ = _call(inputs, 2)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isposinf(lse[0]).all()
+    assert torch.isfinite(lse[1]).all()
+
+
+@pytest.mark.parametrize("backend,case", target_params(ONE), indirect=["backend"])
+def test_a_larger_cache_serves_its_first_rows(backend, case):
+    """Without cache_batch_idx a cache of more batch rows than q serves sequence b from its row b (flash_attn's rule
+    for a static cache sized for a larger batch); the rows past the batch are neither read nor written."""
+    inputs = _inputs(replace(case, seqlens=(30, 9), n_q=2, n_new=2), backend.device)
+    expected = _call(inputs, 2)
+    spare = torch.full_like(inputs.k_cache[:1], float("nan"))  # read, it would show
+    inputs.k_cache, inputs.v_cache = (torch.cat((x, spare, spare)) for x in (inputs.k_cache, inputs.v_cache))
+    larger = _call(inputs, 2)
+    assert torch.equal(larger[0], expected[0]) and torch.equal(larger[1], expected[1])
+    for grown, small in zip(larger[2:], expected[2:], strict=True):
+        assert torch.equal(grown[:2], small) and grown[2:].isnan().all()
+
+
+@pytest.mark.parametrize("backend,case", target_params(ONE), indirect=["backend"])
+def test_block_table_entries_past_a_sequences_pages_are_not_read(backend, case):
+    """A block table's entries past the pages a sequence uses may hold anything (flash_attn reads only the used
+    ones): page numbers past the cache there change nothing."""
+    case = replace(case, seqlens=(5, 20), n_q=2, n_new=2, capacity=64, page_size=16)
+    inputs = _inputs(case, backend.device)
+    expected = _call(inputs, 2)
+    table = inputs.kwargs["block_table"].clone()
+    table[0, 1:], table[1, 2:] = 10**6, -(10**6)  # sequence 0 uses one page (7 rows), sequence 1 two (22)
+    inputs.kwargs["block_table"] = table
+    for a, b in zip(_call(inputs, 2), expected, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend,case", target_params(ONE), indirect=["backend"])
 def test_chosen_splits_and_no_lse_give_the_same_out(backend, case):
     """num_splits=0 (the table's choice: a split cache, one sequence of one K/V head on a 512-row cache) and
     return_softmax_lse=False agree with explicit splits to rounding."""

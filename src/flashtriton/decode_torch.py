@@ -42,8 +42,8 @@ def append(cache: KVCache) -> None:
 
 def dense_keys(cache: KVCache, x: torch.Tensor) -> torch.Tensor:
     """A cache (k_cache or v_cache) as each sequence sees it: (batch, capacity, nheads_k, headdim)."""
-    if cache.paged:
-        return x[cache.block_table.long()].flatten(1, 2)
+    if cache.paged:  # entries past a sequence's pages are never read (the kernels skip them): any value will do
+        return x[cache.block_table.long().clamp(0, x.shape[0] - 1)].flatten(1, 2)
     return x if cache.cache_batch_idx is None else x[cache.cache_batch_idx.long()]
 
 
@@ -70,8 +70,9 @@ def forward(
     out = torch.empty(q.shape, dtype=p.result_dtype(q.dtype), device=q.device)
     lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)
     for b in range(batch):
-        # keys up to the append's end: rows it dropped past the cache are masked out but keep the masks' alignment
-        end = seqlens[b] + cache.seqlen_new
+        # keys up to the append's end: rows it dropped past the cache are masked out but keep the masks' alignment;
+        # a negative length (device data) leaves no key, as in the kernels
+        end = max(seqlens[b] + cache.seqlen_new, starts[b])
         k_b, v_b = k[b : b + 1, starts[b] : end], v[b : b + 1, starts[b] : end]
         dropped = max(end - starts[b], 0) - k_b.shape[1]
         mask = None

@@ -354,10 +354,10 @@ def check_kvcache(
     else:
         if cache_batch_idx is not None:
             check_cache_index("cache_batch_idx", cache_batch_idx, q)
-        elif k_cache.shape[0] != q.shape[0]:
+        elif k_cache.shape[0] < q.shape[0]:  # a larger cache's first rows serve the batch, as in flash_attn
             raise ValueError(
                 f"k_cache has batch {k_cache.shape[0]}, q {q.shape[0]}: pass cache_batch_idx to pick each sequence's "
-                "cache row, or a cache of q's batch"
+                "cache row, or a cache of at least q's batch"
             )
         capacity = k_cache.shape[1]
     if cache_leftpad is not None:
