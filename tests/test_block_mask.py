@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+import flashtriton
 from flashtriton import block_mask as block_mask_module
 from flashtriton.block_mask import BlockMask, create_block_mask
 from flashtriton.mods import (
@@ -288,6 +289,34 @@ def test_broadcast_dims():
         per_head.check_matches(batch=2, heads=3, seqlen_q=50, seqlen_k=50, device="meta")
     moved = per_head.to("cpu")
     assert torch.equal(moved.to_dense(), per_head.to_dense()) and moved.mask_mod.fn is per_head.mask_mod.fn
+
+
+@triton.jit
+def _per_head_mask(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) & ((h == 0) | (kv_idx == q_idx))  # head 0 causal, the others their diagonal only
+
+
+@triton.jit
+def _per_batch_mask(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx + b * 0  # reads b: counted as depending on it
+
+
+def test_mask_dims_are_those_the_mask_reads():
+    """flash_attn_func's mask_mod gets a block mask over the dims it reads, so a per-head mask's tiles are its own
+    for each head (one for all heads would skip the others' tiles by head 0's), and a mask that reads neither is
+    evaluated once."""
+    cpu = torch.device("cpu")
+    assert block_mask_module.mask_dims(causal_mask(), 3, 4, cpu) == (None, None)
+    assert block_mask_module.mask_dims(_per_head_mask, 3, 4, cpu) == (None, 4)
+    assert block_mask_module.mask_dims(_per_batch_mask, 3, 4, cpu) == (3, None)
+    assert block_mask_module.mask_dims(and_masks(causal_mask(), _per_head_mask), 3, 4, cpu) == (None, 4)
+    assert block_mask_module.mask_dims(_per_head_mask, 3, 1, cpu) == (None, None)  # one head: nothing to tell apart
+    q, k, v = (torch.randn(1, 256, 2, 16) for _ in range(3))  # 2 x 2 tiles of 128: head 0's (1, 0) is full
+    out = flashtriton.flash_attn_func(q, k, v, mask_mod=_per_head_mask)
+    dense = create_block_mask(_per_head_mask, None, 2, 256, 256, device="cpu", block_size=16).element_mask()
+    expected, _ = flashtriton.attention_reference(q.double(), k.double(), v.double(), mask=dense)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[:, :, 1], v[:, :, 1])  # head 1 sees its own key alone
 
 
 def test_repr_and_generated_functions_are_shared():

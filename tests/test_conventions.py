@@ -204,6 +204,15 @@ def test_a_window_bound_of_seqlen_k_or_more_is_none(backend):
     torch.testing.assert_close(varlen, unbounded.flatten(0, 1), atol=0, rtol=0)
 
 
+def test_dropout_probs_carry_no_gradient():
+    """return_attn_probs' P is for inspection: no gradient reaches q, k or ALiBi slopes through it, and it keeps no
+    N x N graph alive."""
+    q, k, v = (torch.randn(1, 12, 2, 16, requires_grad=True) for _ in range(3))
+    slopes = torch.rand(2, requires_grad=True)
+    out, _, probs = ft.flash_attn_func(q, k, v, 0.3, alibi_slopes=slopes, return_attn_probs=True)
+    assert out.requires_grad and not probs.requires_grad and probs.grad_fn is None
+
+
 @triton.jit
 def _halve_score(score, b, h, q_idx, kv_idx):
     return score * 0.5

@@ -14,6 +14,7 @@ from itertools import accumulate
 
 import pytest
 import torch
+import triton
 
 import flashtriton as ft
 from flashtriton import dropout, ops, schema, triton_backend
@@ -365,6 +366,20 @@ def test_gluon_rows_gathered_as_the_lse():
     assert torch.equal(
         triton_backend._unaligned(dense, AttentionParams(1.0), (2, heads, align + 3)), dense[..., : align + 3]
     )
+
+
+@triton.jit
+def _forward_only(score, b, h, q_idx, kv_idx):
+    return score * 0.5
+
+
+def test_a_forward_only_score_mod_is_refused_when_only_the_sinks_learn(monkeypatch):
+    """The sinks' gradient needs the backward, through the score_mod: a score_mod without grad is refused before
+    anything runs when the sinks alone require grad, as when q, k or v do."""
+    monkeypatch.setattr(ops, "forward", lambda *args: pytest.fail("ops.forward ran"))
+    q, k, v = random_qkv(Shape(1, 8, 8, 4, 2, 16), F32, "cpu", requires_grad=False)
+    with pytest.raises(ValueError, match="forward-only"):
+        ft.flash_attn_func(q, k, v, score_mod=ft.Mod(_forward_only), sinks=torch.zeros(4, requires_grad=True))
 
 
 @pytest.mark.parametrize(

@@ -387,6 +387,17 @@ def _classify_tiles(
     return some & ~every, every
 
 
+def mask_dims(mask_mod: Mod | Any, batch: int, heads: int, device: torch.device) -> tuple[int | None, int | None]:
+    """create_block_mask's batch and heads for a mask_mod on inputs of that batch and heads: each dim the mask reads
+    (b, h), None for the others. Evaluated with b and h as two values along dims of their own, the mask's result is a
+    broadcast view (stride 0) along every dim it does not read."""
+    mod = as_mod(mask_mod, "mask_mod").to(device)
+    b, h = (torch.arange(min(n, 2), dtype=torch.int32, device=device) for n in (batch, heads))
+    zero = torch.zeros((), dtype=torch.int32, device=device)
+    visible = evaluate_mask(mod, b.view(-1, 1), h.view(1, -1), zero, zero)
+    return tuple(n if visible.shape[d] > 1 and visible.stride(d) != 0 else None for d, n in enumerate((batch, heads)))
+
+
 def create_block_mask(
     mask_mod: Mod | Any,
     batch: int | None,

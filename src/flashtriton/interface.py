@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dropout, ops
-from .block_mask import BlockMask, create_block_mask
+from .block_mask import BlockMask, create_block_mask, mask_dims
 from .cache_args import KVCache
 from .kvcache import attention_with_kvcache
 from .mods import Mod, as_mod, check_differentiable
@@ -108,7 +108,8 @@ def flash_attn_func(
         is proportional to the tiles visited. Not combined with causal, window_size or alibi_slopes:
         express those in the mask (causal_mask, sliding_window_mask, and_masks).
     mask_mod: a @triton.jit mask_mod(b, h, q_idx, kv_idx, *tensors) or a flashtriton.Mod; without a
-        block_mask one is made from it with create_block_mask (default 128 x 128 tiles).
+        block_mask one is made from it with create_block_mask (default 128 x 128 tiles), per batch
+        entry and per head where the mask reads b or h (one for all where it does not).
     score_mod: a @triton.jit score_mod(score, b, h, q_idx, kv_idx, *tensors) or a Mod, applied to the
         score last (after softcap and ALiBi); gradients need Mod(fn, tensors, grad=dfn).
     sinks: (nheads,) floating (fp32; bf16 and fp16 are cast), learnable attention sinks (gpt-oss): each
@@ -130,7 +131,7 @@ def flash_attn_func(
     q, k, v = _autocast(q, k, v)  # first: autocast may hand over q, k, v in different dtypes (a rotary in fp32)
     check_qkv(q, k, v)
     window = _bounded_by(window_size, k.shape[1])
-    masks = _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window, alibi_slopes)
+    masks = _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window, alibi_slopes, sinks)
     params = _params(
         q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p, deterministic,
         return_attn_probs, q.shape[0], sinks=sinks, **masks,
@@ -138,13 +139,14 @@ def flash_attn_func(
     return _attention(q, k, v, params, return_attn_probs)
 
 
-def _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window: tuple[int, int], alibi_slopes) -> dict:
+def _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window: tuple[int, int], alibi_slopes, sinks) -> dict:
     """The block mask (made from mask_mod when needed) and score_mod, checked against the inputs and the window
     (check_window's)."""
     masks = {}
     if score_mod is not None:
         masks["score_mod"] = as_mod(score_mod, "score_mod")
-        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        learning = (q, k, v) if sinks is None else (q, k, v, sinks)  # the sinks' gradient needs dP too
+        if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in learning):
             check_differentiable(masks["score_mod"])
     if block_mask is None and mask_mod is None:
         return masks
@@ -154,8 +156,10 @@ def _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window: tuple[int, 
             "window mask into the block mask (and_masks(causal_mask(), ...)) and ALiBi into a score_mod"
         )
     batch, n_q, heads, _ = q.shape
-    if block_mask is None:
-        block_mask = create_block_mask(as_mod(mask_mod, "mask_mod"), None, None, n_q, k.shape[1], device=q.device)
+    if block_mask is None:  # over the batch and heads the mask reads, which its tiles may differ by
+        mod = as_mod(mask_mod, "mask_mod")
+        dims = (None, None) if torch.compiler.is_compiling() else mask_dims(mod, batch, heads, q.device)
+        block_mask = create_block_mask(mod, *dims, n_q, k.shape[1], device=q.device)
     elif mask_mod is not None:
         raise ValueError("pass either block_mask or mask_mod: a BlockMask already carries its mask_mod")
     if not isinstance(block_mask, BlockMask):
@@ -217,6 +221,7 @@ def _kernel_inputs(q, k, v, params: AttentionParams):
     return q, k, v, params
 
 
+@torch.no_grad()  # a returned tensor for inspection: no gradient reaches the inputs through it (nor a graph kept)
 def _dropped_probs(q, k, params: AttentionParams) -> torch.Tensor:
     """The probabilities P (batch, nheads, seqlen_q, seqlen_k) in fp32, negated where dropout drops them, so that
     torch.signbit(probs) is the drop mask exactly (a dropped P of 0 is -0.0).
