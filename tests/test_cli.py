@@ -86,6 +86,18 @@ def test_results_are_written_under_the_absolute_path(tmp_path, monkeypatch, caps
     assert Path(tmp_path / "rel" / "results.json").is_file()
 
 
+def test_a_bench_whose_providers_cannot_run_here_still_reports(tmp_path, monkeypatch, capsys):
+    """cuDNN alone on a CPU: every case unavailable, the plot drawn without a legend (it raised with none to show),
+    the table and the results' path printed."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["bench", "--head-dims", "16", "--seqlens", "16", "--causal", "no", "--modes", "fwd", "--rounds", "1"]
+    assert cli.main([*argv, "--providers", "sdpa-cudnn", "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "unavailable: sdpa-cudnn" in out and f"results: {tmp_path / 'run' / 'results.json'}" in out
+    assert (tmp_path / "run" / "bench.png").is_file()
+
+
 def test_warmup_without_a_gpu_has_nothing_to_compile(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(["warmup"]) == 0
@@ -99,6 +111,13 @@ def test_warmup_options_narrow_the_variants():
     args = cli.build_parser().parse_args(["warmup", "--head-dims", "128", "--causal", "yes", "--dtypes", "float16"])
     assert (args.head_dims, args.causal, args.dtypes, args.seqlens) == ([128], "yes", ["float16"], [512, 2048, 8192])
     assert warmup.variants([128], [True], ["float16"], [512])[0].name == "d128-causal-float16-n512"
+
+
+@pytest.mark.parametrize("argv", [["--head-dims", "0"], ["--seqlens", "0"]])
+def test_bench_refuses_empty_shapes(argv, capsys):
+    """A length or head dim of 0 is refused before anything runs (it ran no case and crashed in the plot)."""
+    assert _exit_code(["bench", *argv]) == 2
+    assert "flashtriton bench: error: argument" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["--head-dims", "300"], ["--head-dims", "12"], ["--seqlens", "0"]])

@@ -41,6 +41,14 @@ CPU_SEQLENS = (512, 1024, 2048)  # kept short on a CPU: a case's time grows as N
 CPU_BATCH, CPU_HEADS = 1, 4
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an int >= 1 (a head dim or a length)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def default_cases(device: torch.device, head_dims, seqlens, causal_options, dtype) -> list[Case]:
     if device.type != "cuda":
         return [Case(CPU_BATCH, n, CPU_HEADS, d, c, dtype) for d in head_dims for c in causal_options for n in seqlens]
@@ -274,10 +282,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "decode: one shape",
     )
     parser.add_argument(
-        "--head-dims", type=int, nargs="+", help="default 64 128 256 (CPU: 64; --quick: 128 on a GPU, 64 on a CPU)"
+        "--head-dims",
+        type=_positive,
+        nargs="+",
+        help="default 64 128 256 (CPU: 64; --quick: 128 on a GPU, 64 on a CPU)",
     )
     parser.add_argument(
-        "--seqlens", type=int, nargs="+", help="default 512 to 16384 (CPU: 512 1024 2048; --quick: 4096, CPU 1024)"
+        "--seqlens",
+        type=_positive,
+        nargs="+",
+        help="default 512 to 16384 (CPU: 512 1024 2048; --quick: 4096, CPU 1024)",
     )
     parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
