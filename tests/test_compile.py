@@ -14,6 +14,8 @@ from flashtriton import ops, schema
 from flashtriton.params import AttentionParams
 from helpers import TARGETS
 
+NOT_INTERPRETED = [t for t in TARGETS if t.name != "cpu-interp"]  # the tracing, not the kernels, is under test
+
 
 @triton.jit
 def _distance_bias(score, b, h, q_idx, kv_idx):
@@ -138,8 +140,49 @@ def test_traced_inference_call_writes_no_lse(backend, monkeypatch):
                          backend=_compiler(backend.device))  # fmt: skip
     with torch.no_grad():
         out = step(q, k, v)
+    assert seen == [False]  # the traced call's own (before the eager call below adds its)
     torch.testing.assert_close(out, ft.flash_attn_func(q, k, v, causal=True))
-    assert seen and not any(seen)
+
+
+@triton.jit
+def _bare_causal(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def test_a_bare_jit_mask_mod_inside_a_trace_says_to_make_its_mod_outside():
+    torch._dynamo.reset()
+    q, k, v = (x.detach() for x in _inputs("cpu"))
+    step = torch.compile(lambda q, k, v: ft.flash_attn_func(q, k, v, mask_mod=_bare_causal), fullgraph=True,
+                         backend="aot_eager")  # fmt: skip
+    with pytest.raises(Exception, match=r"flashtriton.Mod\(fn\), made outside the compiled function"):
+        step(q, k, v)
+    mod = ft.Mod(_bare_causal)
+    made_outside = torch.compile(lambda q, k, v: ft.flash_attn_func(q, k, v, mask_mod=mod), fullgraph=True,
+                                 backend="aot_eager")  # fmt: skip
+    torch.testing.assert_close(made_outside(q, k, v), ft.flash_attn_func(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("backend", NOT_INTERPRETED, ids=str, indirect=True)
+def test_new_lengths_do_not_recompile_without_end(backend):
+    """A packed batch's max_seqlen changes from step to step: the op takes it as a SymInt, so a fullgraph compile
+    does not recompile per value (it failed past dynamo's recompile limit, 8); dynamic=True traces the default
+    softcap and a softmax_scale argument (math.isfinite on a traced float had refused them)."""
+    torch._dynamo.reset()
+    varlen = torch.compile(ft.flash_attn_varlen_func, fullgraph=True, backend=_compiler(backend.device))
+    q, k, v = (torch.randn(80, 2, 16, device=backend.device) for _ in range(3))
+    for longest in range(20, 30):
+        cu = torch.tensor([0, longest, 80], dtype=torch.int32, device=backend.device)
+        out = varlen(q, k, v, cu, cu, 80 - longest, 80 - longest, causal=True)
+        torch.testing.assert_close(out, ft.flash_attn_varlen_func(q, k, v, cu, cu, 80 - longest, 80 - longest,
+                                                                  causal=True))  # fmt: skip
+
+    def scaled(q, k, v, scale):
+        return ft.flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
+
+    dense = torch.compile(scaled, fullgraph=True, dynamic=True, backend=_compiler(backend.device))
+    for n in (24, 40):
+        q, k, v = (torch.randn(1, n, 2, 16, device=backend.device) for _ in range(3))
+        torch.testing.assert_close(dense(q, k, v, 0.3), scaled(q, k, v, 0.3))
 
 
 @pytest.mark.parametrize("backend", TARGETS, ids=str, indirect=True)

@@ -137,6 +137,11 @@ def as_mod(mod: Mod | Any, what: str = "mod") -> Mod:
     if isinstance(mod, Mod):
         return mod
     if _is_jit(mod):
+        if torch.compiler.is_compiling():  # its Mod would be made, and registered, inside the trace
+            raise TypeError(
+                f"{what}: inside torch.compile pass flashtriton.Mod(fn), made outside the compiled function, "
+                "instead of the bare @triton.jit function"
+            )
         return Mod(mod)
     raise TypeError(f"{what} must be a @triton.jit function or a flashtriton.Mod, got {type(mod).__name__}")
 

@@ -18,7 +18,9 @@ from .block_mask import LIST_FIELDS, BlockMask
 from .mods import Mod, registered
 from .params import AttentionParams
 
-_PLAIN_TYPES = {"float": "float", "int": "int", "bool": "bool", "torch.Tensor | None": "Tensor?"}
+# ints as SymInt: a traced varlen call's max_seqlen then stays symbolic (as "int" a compiled function recompiled
+# for every new value, and fullgraph failed past the recompile limit)
+_PLAIN_TYPES = {"float": "float", "int": "SymInt", "bool": "bool", "torch.Tensor | None": "Tensor?"}
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ def resolve_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
     if not _is_real(softmax_scale):
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale):
+    if not abs(softmax_scale) < math.inf:  # not math.isfinite, which a traced (symbolic) float cannot pass through
         raise ValueError(f"softmax_scale must be a finite number (None: 1 / sqrt(headdim)), got {softmax_scale}")
     return float(softmax_scale)
 
@@ -137,7 +137,7 @@ def check_softcap(softcap) -> float:
     """softcap: a finite float >= 0 (0 disables it). Returns it as a float."""
     if not _is_real(softcap):
         raise TypeError(f"softcap must be a float (0.0 disables it), got {type(softcap).__name__}")
-    if not (math.isfinite(softcap) and softcap >= 0.0):
+    if not (abs(softcap) < math.inf and softcap >= 0.0):  # NaN fails both; abs() traces, math.isfinite does not
         raise ValueError(f"softcap must be >= 0 and finite (0.0 disables it), got {softcap}")
     return float(softcap)
 
