@@ -23,6 +23,7 @@ from .params import AttentionParams
 from .reference import attention_reference
 from .validation import (
     HEAD_DIM_STEP,
+    causal_window,
     check_alibi_slopes,
     check_cache_seqlens,
     check_dropout,
@@ -175,11 +176,9 @@ def _params(
 ) -> AttentionParams:  # fmt: skip
     """Validated user options as the AttentionParams every backend takes (window: check_window's). gradients: False
     for a call with no backward (its LSE only if asked for)."""
-    left, right = window
+    left, right = causal_window(window, causal)
     check_softcap(softcap)
     check_dropout(dropout_p)
-    if causal:
-        right = 0  # flash_attn's rule: causal is the window's right edge at the diagonal
     slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, batch, q.shape[-2], q.device)
     if sinks is not None:
         sinks = check_sinks(sinks, q.shape[-2], q.device)

@@ -124,6 +124,12 @@ def check_window(window_size) -> tuple[int, int]:
     return left, right
 
 
+def causal_window(window: tuple[int, int], causal: bool) -> tuple[int, int]:
+    """check_window's (left, right) under flash_attn's rule: causal=True is the right bound at the diagonal (0),
+    whatever window_size says."""
+    return (window[0], 0) if causal else window
+
+
 def check_dropout(dropout_p) -> float:
     """dropout_p: a probability in [0, 1). Returns it as a float."""
     if not _is_real(dropout_p):

@@ -6,7 +6,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..validation import HEAD_DIM_STEP, MAX_HEAD_DIM, check_window, host_read, resolve_softmax_scale
+from ..validation import (
+    HEAD_DIM_STEP,
+    MAX_HEAD_DIM,
+    causal_window,
+    check_window,
+    host_read,
+    resolve_softmax_scale,
+)
 from .layout import check_divisible, check_layout, document_lengths
 
 
@@ -66,9 +73,7 @@ def ring_scale(softmax_scale: float | None, head_dim: int) -> float:
 def ring_window(window_size, causal: bool, varlen: bool = False) -> tuple[int, bool]:
     """(left bound, causal) of the ring's mask: no window, causal, or a causal sliding window (a left bound, -1 for
     none, with a right bound of 0, which causal=True sets whatever window_size says); other windows raise."""
-    left, right = check_window(window_size)
-    if causal:
-        right = 0  # flash_attn's rule (interface._params): causal is the window's right edge at the diagonal
+    left, right = causal_window(check_window(window_size), causal)
     causal = right == 0
     if (left, right) == (-1, -1) or (left == -1 and causal):
         return -1, causal
