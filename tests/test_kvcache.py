@@ -66,7 +66,10 @@ def _cases(tiny: bool) -> list[Case]:
             base, page_size=16, capacity=64, seqlens=(15, 30), n_new=3, n_q=3, options=dict(causal=True)
         ),
         "paged-256": replace(base, page_size=256, capacity=512, seqlens=(250, 40), n_new=8, n_q=2, heads_k=1),
-        "paged-12-leftpad": replace(base, page_size=12, capacity=48, leftpad=(3, 20), n_new=2, n_q=2),
+        # pages smaller than a tile: its rows' pages by a read each, pages not a power of two, tiles over three pages
+        "paged-12-leftpad": replace(base, page_size=12, capacity=48, leftpad=(10, 20), seqlens=(27, 5), n_new=2, n_q=2),
+        # pages too small for that (config.DECODE_TILE_PAGES_MAX_READS): a block-table entry per row
+        "paged-1": replace(base, page_size=1, capacity=40, seqlens=(21, 36), n_new=2, n_q=2, options=dict(causal=True)),
         # pages of a tile or more: a tile's rows from two block-table entries, its tiles crossing pages (leftpad, a
         # window's unaligned first key)
         "paged-32-leftpad-window": replace(
@@ -436,11 +439,15 @@ def test_route_decides_the_decode_family_and_splits():
         assert route.decode(many, 8192, 8, 0, gpu="sm90", sms=132).config.splits == splits
     # a short cache: no split below config.DECODE_MIN_SPLIT_KEYS rows; a caller's count capped at the cache's tiles
     assert route.decode(q, 300, 8, 0, gpu="sm90", sms=132).config.splits == 1
-    # paged: a tile's pages by tile where pages hold tiles and the cache is long
+    # paged: a tile's pages by tile where pages hold tiles and the cache is long, or pages are smaller than a tile
+    # (down to an eighth of it) at any length; contiguous caches have no pages
     long_pages = route.decode(q, 131072, 8, 0, gpu="sm90", sms=132, page_size=256).config
     assert long_pages.tile_pages and long_pages.block_n <= 256
     assert not route.decode(q, 4096, 8, 0, gpu="sm90", sms=132, page_size=256).config.tile_pages
-    assert not route.decode(q, 131072, 8, 0, gpu="sm90", sms=132, page_size=16).config.tile_pages
+    for capacity in (4096, 131072):
+        small = route.decode(q, capacity, 8, 0, gpu="sm90", sms=132, page_size=16).config
+        assert small.tile_pages and small.block_n // 16 + 1 <= config.DECODE_TILE_PAGES_MAX_READS
+        assert not route.decode(q, capacity, 8, 0, gpu="sm90", sms=132, page_size=4).config.tile_pages
     assert not route.decode(q, 131072, 8, 0, gpu="sm90", sms=132).config.tile_pages
     assert route.decode(q, 100, 8, 64, gpu="sm90", sms=132).config.splits == -(-100 // r.config.block_n)
     assert route.decode(q[:0], 100, 8, 0, gpu="sm90").family == route.NONE

@@ -431,7 +431,7 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     splits: int  # programs sharing one (sequence, K/V head)'s keys; 1: one pass, no combine
-    tile_pages: bool = False  # paged: a tile's rows from two block-table reads, not a read per row (decode.py)
+    tile_pages: bool = False  # paged: a tile's pages by scalar block-table reads, not a read per row (decode.py)
 
 
 DECODE_MAX_BLOCK_M = 64  # packed rows per program; a call with more (long seqlen_q x GROUP) runs several row tiles
@@ -444,9 +444,12 @@ DECODE_COMBINE_WARPS = 4
 # The ring's merges (kernels/merge.py): elementwise passes over fp32 rows, a program's tile of this many elements
 MERGE_TILE_ELEMENTS = 4096
 MERGE_WARPS = 4
-# Paged caches whose pages hold a tile read a tile's page (two entries: it may cross one) instead of each row's:
-# measured faster at 32k and 128k rows, slower at 4k (DECISIONS, "Decoding"); 16k, between them, is a guess
+# Paged caches read a tile's pages (a scalar block-table read each, one more than it holds whole: it may start inside
+# one) instead of each row's entry. Pages of a tile or more: measured faster at 32k and 128k rows, slower at 4k
+# (DECISIONS, "Decoding"); 16k, between them, is a guess. Smaller pages: faster at every length measured (pages of
+# 16), down to pages of an eighth of a tile (nine reads), below which each row's entry is read
 DECODE_TILE_PAGES_MIN_CAPACITY = 16384
+DECODE_TILE_PAGES_MAX_READS = 9
 INTERPRETER_SMS = 4  # the SM count the interpreter's split choice assumes (caches of 512+ rows then split)
 # (max head dim, block_n, num_warps, num_stages) for 2-byte dtypes on CUDA GPUs, 16 KB K and V tiles each; fp32
 # halves block_n. Stages swept at D=128 only (benchmarks/decode_tune.py); the other rows take its three
@@ -492,7 +495,10 @@ def decode_config(
 
 
 def tile_pages(arch: str, block_n: int, capacity: int, page_size: int) -> bool:
-    """Whether the decode kernels read a tile's pages by tile (DecodeConfig.tile_pages): pages of a whole tile, in a
-    cache long enough that it pays (the interpreter: any non-empty cache, so that CI runs the path)."""
+    """Whether the decode kernels read a tile's pages by tile (DecodeConfig.tile_pages, decode.py's cache_slots):
+    pages smaller than a tile, unless that takes more than DECODE_TILE_PAGES_MAX_READS reads; pages of a tile or
+    more in a cache long enough that it pays (the interpreter: any non-empty cache, so that CI runs the path)."""
+    if page_size <= 0 or -(-block_n // page_size) + 1 > DECODE_TILE_PAGES_MAX_READS:
+        return False
     long_cache = capacity >= DECODE_TILE_PAGES_MIN_CAPACITY or (arch == "interpreter" and capacity > 0)
-    return page_size >= block_n and long_cache
+    return page_size < block_n or long_cache

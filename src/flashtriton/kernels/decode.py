@@ -8,8 +8,8 @@ Notation
   PAGE_SIZE    rows per page of a paged cache: sequence b's row r lives in page BLOCK_TABLE[b, r // PAGE_SIZE] at
                row r % PAGE_SIZE; a contiguous cache's row r is row r of batch row CACHE_BATCH_IDX[b] (or b).
                A constexpr: the row's page and slot without a runtime division (shifts for powers of two)
-  TILE_PAGES   pages hold a whole BLOCK_N tile: a tile's rows lie in two pages at most, read from the block table
-               as two scalars instead of one entry per row
+  TILE_PAGES   a tile's rows' pages from scalar block-table reads, one per page the tile may touch, instead of one
+               entry per row
   start, end   sequence b's keys are its cache rows [start, CACHE_SEQLENS[b] + N_NEW) within the CAPACITY:
                start = CACHE_LEFTPAD[b] (or 0; clamped at 0), key j is row start + j, N_K of them; the masks are
                params.py's with offset = end - N_Q, end = CACHE_SEQLENS[b] + N_NEW - start (rows past the cache,
@@ -88,18 +88,19 @@ def cache_slots(first, rows, b, cache_b, row_ok, BLOCK_TABLE, stride_tb, PAGE_SI
                 TILE_PAGES: tl.constexpr, CAPACITY):  # fmt: skip
     """(block, row within it) of sequence b's consecutive cache rows ``rows`` (from row ``first`` on): a page and
     its row through BLOCK_TABLE, or batch row cache_b and the row itself. The block is 64-bit (it multiplies the
-    block stride). TILE_PAGES (pages of at least as many rows): the rows' two pages at most by scalar block-table
-    reads instead of a read per row."""
+    block stride). TILE_PAGES: the rows' pages by scalar block-table reads, one per page they may touch (their
+    count over PAGE_SIZE, plus one: they may start inside a page), instead of a read per row."""
     if BLOCK_TABLE is not None:
         table = BLOCK_TABLE + b * stride_tb
         if TILE_PAGES:
-            tl.static_assert(rows.shape[0] <= PAGE_SIZE, "TILE_PAGES: pages of a tile or more")
+            READS: tl.constexpr = (rows.shape[0] + PAGE_SIZE - 1) // PAGE_SIZE + 1
             # entries clamped to the table: rows outside the capacity are masked anyway (cache_seqlens are unchecked)
             last = CAPACITY // PAGE_SIZE - 1
             at = first // PAGE_SIZE
-            first_page = tl.load(table + tl.minimum(tl.maximum(at, 0), last))
-            next_page = tl.load(table + tl.minimum(tl.maximum(at + 1, 0), last))
-            page = tl.where(rows < (at + 1) * PAGE_SIZE, first_page, next_page)
+            page = tl.zeros_like(rows) + tl.load(table + tl.minimum(tl.maximum(at, 0), last))
+            for i in tl.static_range(1, READS):
+                later = tl.load(table + tl.minimum(tl.maximum(at + i, 0), last))
+                page = tl.where(rows >= (at + i) * PAGE_SIZE, later, page)
         else:
             page = tl.load(table + rows // PAGE_SIZE, mask=row_ok, other=0)
         return page.to(tl.int64), rows % PAGE_SIZE
