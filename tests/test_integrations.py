@@ -4,6 +4,7 @@ logits and gradients against the same model in fp64 under transformers' own atte
 and with which options, so a case cannot pass by not reaching flashtriton."""
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -87,10 +88,11 @@ def _logits_and_grads(model, implementation: str, dtype, ids, real, rows_alone=F
     return logits.detach(), grads
 
 
-def _assert_matches_transformers(model, reference: str, ids, real, rows_alone=False, **inputs) -> None:
-    """Ours in fp32 against the reference in fp64, with the reference in fp32 as the plain error, on the real
-    tokens' logits and on every parameter's gradient. rows_alone: the reference runs each row's real tokens alone."""
-    ours = _logits_and_grads(model, NAME, torch.float32, ids, real, **inputs)
+def _assert_matches_transformers(model, reference: str, ids, real, rows_alone=False, ours=NAME, **inputs) -> None:
+    """Ours (the implementation named ``ours``) in fp32 against the reference in fp64, with the reference in fp32 as
+    the plain error, on the real tokens' logits and on every parameter's gradient. rows_alone: the reference runs
+    each row's real tokens alone."""
+    ours = _logits_and_grads(model, ours, torch.float32, ids, real, **inputs)
     exact, plain = (
         _logits_and_grads(model, reference, dtype, ids, real, rows_alone, **inputs)
         for dtype in (torch.float64, torch.float32)
@@ -244,6 +246,55 @@ def test_gpt_oss_sinks(padded, calls):
     _assert_matches_transformers(model, "eager", ids, real, padded, use_cache=False, **masks)
     entry = "flash_attn_varlen_func" if padded else "flash_attn_func"
     assert calls and all(e == entry and kwargs["sinks"] is not None for e, kwargs in calls)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_transformers_flash_wrapper_takes_flashtriton_as_a_hub_kernel(padded, monkeypatch):
+    """transformers' own flash attention wrapper, handed flashtriton's flash_attn_func and flash_attn_varlen_func
+    as it takes a hub kernel's, reads the options they accept from their signatures (dropout_p, window_size,
+    softcap, deterministic, learnable_sink, max_seqlen_q/k) and passes gpt-oss's sinks and sliding window through;
+    logits and gradients against eager as test_gpt_oss_sinks checks the integration. A spy on the two functions
+    proves they served every layer with the sinks and, on the sliding layers, the window."""
+    import transformers.modeling_flash_attention_utils as fa
+    from transformers.integrations.flash_attention import flash_attention_forward
+    from transformers.masking_utils import flash_attention_mask
+
+    import flashtriton
+
+    seen = []
+
+    def spied(entry):
+        def call(*args, **options):
+            seen.append((entry.__name__, options))
+            return entry(*args, **options)
+
+        call.__signature__ = inspect.signature(entry)  # what transformers introspects
+        return call
+
+    kernel = (spied(flashtriton.flash_attn_func), spied(flashtriton.flash_attn_varlen_func))
+    monkeypatch.setattr(fa, "_lazy_imports", lambda *args, **kwargs: (*kernel, None, fa._pad_input, fa._unpad_input))
+    monkeypatch.setattr(fa, "_loaded_implementation", None)
+    name = "hub_entry_test"  # without "flash" or "/", which would make transformers fetch a kernel
+    transformers.AttentionInterface.register(name, flash_attention_forward)
+    transformers.AttentionMaskInterface.register(name, flash_attention_mask)
+    config = transformers.GptOssConfig(
+        **TINY, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+        experts_implementation="eager",
+    )  # fmt: skip
+    model = _model(config, name)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(config.num_attention_heads) + 2.0)
+    ids = torch.randint(1, VOCAB, (2, 16))
+    mask = torch.ones(ids.shape, dtype=torch.long)
+    if padded:
+        mask[1, :7] = 0
+    real = mask.bool()
+    masks = dict(attention_mask=mask) if padded else {}
+    _assert_matches_transformers(model, "eager", ids, real, padded, ours=name, use_cache=False, **masks)
+    entry = "flash_attn_varlen_func" if padded else "flash_attn_func"
+    assert seen and all(e == entry and options["learnable_sink"] is not None for e, options in seen)
+    assert any(options.get("window_size") == (WINDOW - 1, WINDOW - 1) for _, options in seen)
 
 
 def test_custom_4d_mask_raises():

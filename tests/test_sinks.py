@@ -404,3 +404,23 @@ def test_bad_sinks_raise_before_launch(sinks, error, message, monkeypatch):
         ft.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, 8, 8, sinks=sinks)
     with pytest.raises(error, match=message):
         ft.flash_attn_kvpacked_func(q, torch.stack([k, v], 2), sinks=sinks)
+
+
+def test_learnable_sink_is_sinks_by_flash_attn_4s_name(monkeypatch):
+    """learnable_sink= (flash_attn 4's name, which transformers passes where a function's signature has it) is
+    sinks= on flash_attn_func and flash_attn_varlen_func; both at once raise before anything runs."""
+    q, k, v = random_qkv(Shape(2, 8, 8, 4, 2, 16), F32, "cpu", requires_grad=False)
+    sinks = _sinks(4, "cpu")
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    packed = (q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, 8, 8)
+    by_name = ft.flash_attn_func(q, k, v, learnable_sink=sinks)
+    assert torch.equal(by_name, ft.flash_attn_func(q, k, v, sinks=sinks))
+    assert not torch.allclose(by_name, ft.flash_attn_func(q, k, v))  # the sinks took mass: not dropped
+    assert torch.equal(
+        ft.flash_attn_varlen_func(*packed, learnable_sink=sinks), ft.flash_attn_varlen_func(*packed, sinks=sinks)
+    )
+    monkeypatch.setattr(ops, "forward", lambda *args: pytest.fail("ops.forward ran"))
+    with pytest.raises(ValueError, match="not both"):
+        ft.flash_attn_func(q, k, v, sinks=sinks, learnable_sink=sinks)
+    with pytest.raises(ValueError, match="not both"):
+        ft.flash_attn_varlen_func(*packed, sinks=sinks, learnable_sink=sinks)

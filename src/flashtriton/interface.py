@@ -76,6 +76,7 @@ def flash_attn_func(
     mask_mod: Mod | None = None,
     score_mod: Mod | None = None,
     sinks: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None,
 ) -> _Result:
     """Exact attention softmax(score) v, without materialising the scores.
 
@@ -117,7 +118,8 @@ def flash_attn_func(
         query row's softmax has one more logit, sinks[h], in the units of the scores (after the scale),
         which takes probability mass and adds no value, so the row's weights sum to less than 1. The LSE
         includes it; a row that sees no key gets out 0 and LSE sinks[h]; -inf is no sink. Gradients flow
-        to it (fp32, summed over batch and rows).
+        to it (fp32, summed over batch and rows). learnable_sink: the same, by flash_attn 4's name (which
+        transformers passes to a flash_attn-style function whose signature has it); pass one of the two.
     return_attn_probs: also return softmax_lse (batch, nheads, seqlen_q) in fp32 (natural log;
         gradients flow through it) and, with dropout, the attention probabilities P (batch, nheads,
         seqlen_q, seqlen_k) in fp32, negated where dropped (torch.signbit(probs) is the drop mask),
@@ -131,6 +133,7 @@ def flash_attn_func(
     """
     q, k, v = _autocast(q, k, v)  # first: autocast may hand over q, k, v in different dtypes (a rotary in fp32)
     check_qkv(q, k, v)
+    sinks = _one_sink(sinks, learnable_sink)
     window = _bounded_by(window_size, k.shape[1])
     masks = _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window, alibi_slopes, sinks)
     params = _params(
@@ -138,6 +141,15 @@ def flash_attn_func(
         return_attn_probs, q.shape[0], sinks=sinks, **masks,
     )  # fmt: skip
     return _attention(q, k, v, params, return_attn_probs)
+
+
+def _one_sink(sinks: torch.Tensor | None, learnable_sink: torch.Tensor | None) -> torch.Tensor | None:
+    """The sinks, given by either name."""
+    if learnable_sink is None:
+        return sinks
+    if sinks is not None:
+        raise ValueError("pass sinks or learnable_sink (flash_attn 4's name for the same logits), not both")
+    return learnable_sink
 
 
 def _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window: tuple[int, int], alibi_slopes, sinks) -> dict:
@@ -327,6 +339,7 @@ def flash_attn_varlen_func(
     block_table: torch.Tensor | None = None,
     *,
     sinks: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None,
 ) -> _Result:
     """flash_attn_func on a packed batch of sequences of different lengths, with no work on padding.
 
@@ -335,7 +348,7 @@ def flash_attn_varlen_func(
     cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32, starting at 0, non-decreasing, ending at the
     packed length. max_seqlen_q, max_seqlen_k: at least the longest sequence (they size the grid).
     Masks, offsets and dropout indices are per sequence (see flash_attn_func); alibi_slopes may be
-    (batch, nheads); sinks are flash_attn_func's. Returns out (total_q, nheads, headdim), or (out,
+    (batch, nheads); sinks (or learnable_sink) are flash_attn_func's. Returns out (total_q, nheads, headdim), or (out,
     softmax_lse (nheads, total_q), probs (batch, nheads, max_seqlen_q, max_seqlen_k) or None).
 
     block_table: (batch, max_blocks) int32, paged prefill: k, v are then paged caches (num_blocks, page_size,
@@ -347,6 +360,7 @@ def flash_attn_varlen_func(
     """
     q, k, v = _autocast(q, k, v)
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+    sinks = _one_sink(sinks, learnable_sink)
     window = _bounded_by(window_size, int(max_seqlen_k))
     varlen = dict(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q),
