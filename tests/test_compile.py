@@ -154,7 +154,10 @@ def test_a_bare_jit_mask_mod_inside_a_trace_says_to_make_its_mod_outside():
     q, k, v = (x.detach() for x in _inputs("cpu"))
     step = torch.compile(lambda q, k, v: ft.flash_attn_func(q, k, v, mask_mod=_bare_causal), fullgraph=True,
                          backend="aot_eager")  # fmt: skip
-    with pytest.raises(Exception, match=r"flashtriton.Mod\(fn\), made outside the compiled function"):
+    message = r"flashtriton.Mod\(fn\), made outside the compiled function"
+    if torch.torch_version.TorchVersion(torch.__version__) < "2.13":  # 2.11's dynamo refuses isinstance() of a kernel
+        message += r"|isinstance\(\) cannot determine type of argument"  # first, with its own message
+    with pytest.raises(Exception, match=message):
         step(q, k, v)
     mod = ft.Mod(_bare_causal)
     made_outside = torch.compile(lambda q, k, v: ft.flash_attn_func(q, k, v, mask_mod=mod), fullgraph=True,
