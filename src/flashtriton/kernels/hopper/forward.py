@@ -21,7 +21,7 @@ they see unequal numbers of key tiles.
 
 Numerics: scores in base 2 (qk_scale = softmax_scale * LOG2E), so the running max m is in base-2 units; the running
 sum and O's accumulator are fp32; the LSE written out is natural-log. SINKS (H,) fp32 (natural units) or None: each
-row's sink is one more logit, the row's running max and sum before its first tile (params.py); it multiplies no V row.
+row's sink is one more logit, folded into m and the sum after the row's last tile (params.py); it multiplies no V row.
 """
 
 from triton.experimental import gluon
@@ -242,11 +242,10 @@ def _pass(k_ring, v_ring, it, n, turns):
 
 @gluon.jit
 def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, n, qk_scale, window_left, turns,
-            start, CAUSAL: gl.constexpr, LEFT: gl.constexpr, RAGGED: gl.constexpr, BLOCK_N: gl.constexpr,
-            D: gl.constexpr, TREE: gl.constexpr):  # fmt: skip
+            CAUSAL: gl.constexpr, LEFT: gl.constexpr, RAGGED: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+            TREE: gl.constexpr):  # fmt: skip
     """One warpgroup's query rows (Q in q_smem, position q_at of q_ring) against n_tiles (K, V) tiles from
-    position it of their rings on, the rows' running max and sum starting from ``start`` (_start): (O unnormalised,
-    row max, row sum). Tile j's S = Q K_j^T is issued together
+    position it of their rings on: (O unnormalised, row max, row sum). Tile j's S = Q K_j^T is issued together
     with tile j-1's O += P V_{j-1}, and the softmax of S_j comes between the waits for the two (which ptxas
     moves to before the exps). K_j goes back once S_j is done, V_j once P V_j is, and Q once every S is, before the
     last P V. With turns (_await_turn), the first S and each step's S and P V are issued in the warpgroup's turn, so
@@ -267,9 +266,9 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
     _hand_turn(turns)
     scores = warpgroup_mma_wait(0, deps=(scores, q_smem, k))[0]
     give(k_ring, it)
-    m_i, l_i = start  # in rows_s
-    p, m_i, l_i, alpha = _online_softmax(scores, m_i, l_i, rows, first_row, key0, n, qk_scale, window_left, CAUSAL,
-                                         LEFT, RAGGED, BLOCK_N, TREE)  # fmt: skip
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows_s)
+    p, m_i, l_i, alpha = _online_softmax(scores, m_i, gl.zeros([BLOCK_M], gl.float32, rows_s), rows, first_row, key0,
+                                         n, qk_scale, window_left, CAUSAL, LEFT, RAGGED, BLOCK_N, TREE)  # fmt: skip
     p = gl.convert_layout(p.to(dtype), p_layout)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
     for j in range(1, n_tiles):
@@ -295,18 +294,6 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
     acc = warpgroup_mma_wait(0, deps=(acc, v))[0]
     give(v_ring, it + n_tiles - 1)
     return acc, m_i, l_i
-
-
-@gluon.jit
-def _start(sinks, h, BLOCK_M: gl.constexpr, layout: gl.constexpr):
-    """(running max, running sum) of BLOCK_M rows of head h before their first key: empty, or holding the head's
-    sink (base 2) as a key that multiplies no V row. Read at the tile's start, its latency hides behind the first
-    S = Q K^T, and it lives in m and the sum through the loop, not in a register of its own (which spilled at D=256
-    when the sink was added after the last tile)."""
-    m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout)
-    if len(sinks) > 0:
-        m = gl.zeros([BLOCK_M], gl.float32, layout) + gl.load(sinks[0] + h) * LOG2E  # -inf: a head without a sink
-    return m, gl.where(m > float("-inf"), 1.0, 0.0)
 
 
 @gluon.jit
@@ -353,12 +340,19 @@ def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEF
             q_smem = take(q_ring, done)[0]
             _pass(k_ring, v_ring, it, lead, turns)
             if n_own > 0:
-                start = _start(sinks, h, BLOCK_M, rows_s)
                 acc, m_i, l_i = _attend(q_smem, q_ring, k_ring, v_ring, done, it + lead, first_row, own0, n_own, n,
-                                        qk_scale, window_left, turns, start, CAUSAL, LEFT, RAGGED, BLOCK_N, D,
+                                        qk_scale, window_left, turns, CAUSAL, LEFT, RAGGED, BLOCK_N, D,
                                         TREE)  # fmt: skip
+                scale = 1.0 / l_i
+                if len(sinks) > 0:  # one more logit: into the max and the sum; O's rescale joins the reciprocal
+                    sink = gl.load(sinks[0] + h) * LOG2E  # read here: held across the loop it spills at D=256
+                    m_new = gl.maximum(m_i, sink)  # every stored row has seen a key: m_i is finite
+                    alpha = gl.exp2(m_i - m_new)
+                    l_i = l_i * alpha + gl.exp2(sink - m_new)
+                    scale = alpha / l_i
+                    m_i = m_new
                 # times the row's reciprocal: a division per element costs two instructions, not one
-                acc = acc * gl.expand_dims(gl.convert_layout(1.0 / l_i, rows_o), 1)
+                acc = acc * gl.expand_dims(gl.convert_layout(scale, rows_o), 1)
                 if len(lse_out) > 0:
                     LSE, stride_lb, stride_lh = lse_out
                     lse = LSE + b * stride_lb + h * stride_lh + lse0 + first_row
