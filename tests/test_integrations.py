@@ -220,18 +220,15 @@ def test_dropout_follows_training_mode(calls):
     assert [kwargs["dropout_p"] for _, kwargs in calls] == [0.25] * layers + [0.0] * layers
 
 
-@pytest.mark.skipif(not hasattr(transformers, "GptOssConfig"), reason="this transformers has no gpt-oss")
-@pytest.mark.parametrize("padded", [False, True])
-def test_gpt_oss_sinks(padded, calls):
-    """gpt-oss's learnable sinks (s_aux, a (nheads,) parameter per layer; sliding and full layers in turn) against
-    transformers' eager attention, its sinks' gradients included; padded: left-padded rows of 16 and 9 real tokens
-    through varlen, against each row alone. Sinks moved away from their zero init, so that a call that dropped them
-    would show."""
+def _gpt_oss(implementation: str, padded: bool):
+    """(a tiny gpt-oss under implementation, sliding and full layers in turn, its sinks moved away from their zero
+    init so that a call that dropped them would show; ids (2, 16); the attention mask, left-padding row 1 to 9 real
+    tokens where padded)."""
     config = transformers.GptOssConfig(
         **TINY, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
         experts_implementation="eager",  # torch's grouped_mm takes no fp64, which the reference runs in
     )  # fmt: skip
-    model = _model(config, NAME)
+    model = _model(config, implementation)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.sinks.copy_(torch.randn(config.num_attention_heads) + 2.0)
@@ -239,6 +236,19 @@ def test_gpt_oss_sinks(padded, calls):
     mask = torch.ones(ids.shape, dtype=torch.long)
     if padded:
         mask[1, :7] = 0
+    return model, ids, mask
+
+
+NO_GPT_OSS = pytest.mark.skipif(not hasattr(transformers, "GptOssConfig"), reason="this transformers has no gpt-oss")
+
+
+@NO_GPT_OSS
+@pytest.mark.parametrize("padded", [False, True])
+def test_gpt_oss_sinks(padded, calls):
+    """gpt-oss's learnable sinks (s_aux, a (nheads,) parameter per layer; sliding and full layers in turn) against
+    transformers' eager attention, its sinks' gradients included; padded: left-padded rows of 16 and 9 real tokens
+    through varlen, against each row alone (_gpt_oss)."""
+    model, ids, mask = _gpt_oss(NAME, padded)
     real = mask.bool()
     masks = dict(attention_mask=mask, position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0)) if padded else {}
     # the gradients compared include every sinks parameter's: transformers' attention gives them one
@@ -248,6 +258,7 @@ def test_gpt_oss_sinks(padded, calls):
     assert calls and all(e == entry and kwargs["sinks"] is not None for e, kwargs in calls)
 
 
+@NO_GPT_OSS
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 def test_transformers_flash_wrapper_takes_flashtriton_as_a_hub_kernel(padded, monkeypatch):
     """transformers' own flash attention wrapper, handed flashtriton's flash_attn_func and flash_attn_varlen_func
@@ -277,18 +288,7 @@ def test_transformers_flash_wrapper_takes_flashtriton_as_a_hub_kernel(padded, mo
     name = "hub_entry_test"  # without "flash" or "/", which would make transformers fetch a kernel
     transformers.AttentionInterface.register(name, flash_attention_forward)
     transformers.AttentionMaskInterface.register(name, flash_attention_mask)
-    config = transformers.GptOssConfig(
-        **TINY, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
-        experts_implementation="eager",
-    )  # fmt: skip
-    model = _model(config, name)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.sinks.copy_(torch.randn(config.num_attention_heads) + 2.0)
-    ids = torch.randint(1, VOCAB, (2, 16))
-    mask = torch.ones(ids.shape, dtype=torch.long)
-    if padded:
-        mask[1, :7] = 0
+    model, ids, mask = _gpt_oss(name, padded)
     real = mask.bool()
     masks = dict(attention_mask=mask) if padded else {}
     _assert_matches_transformers(model, "eager", ids, real, padded, ours=name, use_cache=False, **masks)
