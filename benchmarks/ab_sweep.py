@@ -12,12 +12,14 @@ machine with the working tree, whose ``src`` is the head build.
 ``run`` times both builds' ``flash_attn_func`` on each case of the sweep (bf16, B * N = 16k tokens, H * D = 2048,
 N = 512..16k, causal and not) in each mode (``fwd``: an inference call, as the bench's; ``fwd_bwd``: forward and
 fresh gradients of q, k, v by ``torch.autograd.grad``), two ways: eager calls, each after an L2 flush with events
-around it (the bench's timing, host time included), and CUDA-graph replays (the kernels alone). The builds' calls
-are taken in turn (benchmarks/ab.py), over ``--rounds`` rounds; each time is the median of its rounds. It reports
-base ms, head ms, head / base (below 1: head is faster) and the rounds' spread, and flags every case-mode whose
-ratio exceeds 1 + ``--tolerance`` in either column. The JSON is rewritten after every case-mode; the table is
-printed last. At the defaults one head dim is about 100 s of timed calls (24 case-modes x 2 timings x 2 builds x
-7 rounds x 150 ms) plus compiles, graph captures and flushes: one device call per head dim.
+around it (the bench's timing, host time included), and CUDA-graph replays (the kernels alone), each build
+captured ``--captures`` times: one capture's memory placement alone moves its replays by up to about 1.5%, so a
+round's replay time is the median over the captures. The builds' calls are taken in turn (benchmarks/ab.py), over
+``--rounds`` rounds; each time is the median of its rounds. It reports base ms, head ms, head / base (below 1: head
+is faster) and the rounds' spread, and flags every case-mode whose ratio exceeds 1 + ``--tolerance`` in either
+column. The JSON is rewritten after every case-mode; the table is printed last. At the defaults one head dim is
+about 200 s of timed calls (24 case-modes x 2 builds x 7 rounds x 150 ms, eager and three captures) plus compiles,
+graph captures and flushes: one device call per head dim.
 """
 
 from __future__ import annotations
@@ -173,7 +175,9 @@ def _difference(a, b) -> float:
     return max(((x.float() - y.float()).abs().max() / x.float().abs().max().clamp_min(1e-30)).item() for x, y in pairs)
 
 
-def measure(builds, head_dim: int, seqlen: int, causal: bool, mode: str, rounds: int, round_ms: float) -> dict:
+def measure(
+    builds, head_dim: int, seqlen: int, causal: bool, mode: str, rounds: int, round_ms: float, captures: int = 3
+) -> dict:
     import ab
     import torch
 
@@ -195,10 +199,16 @@ def measure(builds, head_dim: int, seqlen: int, causal: bool, mode: str, rounds:
     try:
         call_ms = max(statistics.median(t) for t in eager.values())
         reps = max(1, min(ab.REPS, int(REPLAY_MS / call_ms)))
-        graphs = {name: ab.capture(fn, reps)[0] for name, fn in calls.items()}
-        replays = {name: graph.replay for name, graph in graphs.items()}
+        # each capture has its own memory pool, whose placement alone moves a replay by up to about 1.5%: a build's
+        # round is the median over its captures
+        graphs = {(name, c): ab.capture(fn, reps)[0] for name, fn in calls.items() for c in range(captures)}
+        replays = {key: graph.replay for key, graph in graphs.items()}
         passes = ab.passes_for(replays, round_ms, per_call=reps)
-        row["replay"] = {**_summary(ab.in_turn(replays, rounds, passes, per_call=reps)), "calls_per_graph": reps}
+        times = ab.in_turn(replays, rounds, passes, per_call=reps)
+        merged = {name: [statistics.median(times[name, c][r] for c in range(captures)) for r in range(rounds)]
+                  for name in calls}  # fmt: skip
+        per_capture = {name: [statistics.median(times[name, c]) for c in range(captures)] for name in calls}
+        row["replay"] = {**_summary(merged), "calls_per_graph": reps, "captures_ms": per_capture}
     except Exception as exc:  # a build that cannot be captured still has its eager column
         row["replay"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
     del calls
@@ -221,12 +231,15 @@ def _header(args, base, head) -> dict:
         "command": sys.argv,
         "rounds": args.rounds,
         "round_ms": args.round_ms,
+        "captures": args.captures,
         "tolerance": args.tolerance,
         "definitions": {
             "ratio": "head ms / base ms: above 1, the head build is slower",
             "eager": "each call after an L2 flush, CUDA events around it, the builds' calls in turn (host time "
             "included, as flashtriton bench times); ms is the median over the rounds of each round's median call",
-            "replay": "CUDA-graph replays of calls_per_graph calls, taken in turn as the eager calls, no flush",
+            "replay": "CUDA-graph replays of calls_per_graph calls, taken in turn as the eager calls, no flush; "
+            "each build captured ``captures`` times (placement: a capture's own memory pool moves it by up to about "
+            "1.5%), a round's time the median over its captures; captures_ms: each capture's median",
             "spread": "max / min - 1 of a build's round medians, the larger of the two builds'",
             "difference": "max |head - base| / max |base| of the first call's output (fwd) or gradients (fwd_bwd); "
             "the fused Hopper backward adds dq up in no fixed order, so its last bits differ even within one build",
@@ -273,7 +286,7 @@ def run(args) -> int:
     rows, start = [], time.perf_counter()
     for i, (head_dim, seqlen, causal) in enumerate(cases, 1):
         for mode in args.modes:
-            rows.append(measure(builds, head_dim, seqlen, causal, mode, args.rounds, args.round_ms))
+            rows.append(measure(builds, head_dim, seqlen, causal, mode, args.rounds, args.round_ms, args.captures))
             over = [r for r in rows if any(_flag(r[n].get("ratio"), args.tolerance) for n in ("eager", "replay"))]
             ab.save(args.out, rows, **header, over_tolerance=[(r["head_dim"], r["seqlen"], r["causal"], r["mode"])
                                                                for r in over])  # fmt: skip
@@ -305,6 +318,7 @@ def main(argv=None) -> int:
     r.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     r.add_argument("--rounds", type=int, default=7, help="rounds per timing; times are their medians (default 7)")
     r.add_argument("--round-ms", type=float, default=150.0, help="each build's calls per round, in ms (default 150)")
+    r.add_argument("--captures", type=int, default=3, help="graphs captured per build for the replays (default 3)")
     r.add_argument("--tolerance", type=float, default=0.01, help="flag head/base above 1 + this (default 0.01)")
     r.add_argument("--out", default="ab_sweep.json", help="JSON written after every case-mode")
     args = parser.parse_args(argv)
