@@ -99,3 +99,16 @@ def test_grad_mode_and_autocast_are_part_of_the_key(params_seen):
     out.sum().backward()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert flashtriton.flash_attn_func(q, k, v, causal=True).dtype == torch.bfloat16
+
+
+def test_meta_tensors_give_shapes_on_either_path(params_seen):
+    """Meta tensors (shape inference; no autocast serves their device) give meta outputs and gradients of the right
+    shapes, on the checked call and on the reused one."""
+    q = torch.randn(2, 37, 4, 24, device="meta", requires_grad=True)
+    k = torch.randn(2, 29, 2, 24, device="meta", requires_grad=True)
+    for _ in range(2):
+        out = flashtriton.flash_attn_func(q, k, k, causal=True)
+        assert out.device.type == "meta" and out.shape == q.shape
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    assert len(interface._PLAIN) == 1

@@ -53,10 +53,15 @@ def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if not all(isinstance(x, torch.Tensor) for x in tensors):
         return tensors
     device_type = tensors[0].device.type
-    if not torch.is_autocast_enabled(device_type):
+    if not _autocasting(device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(x.to(dtype) for x in tensors)
+
+
+def _autocasting(device_type: str) -> bool:
+    """Whether torch.autocast is on for the device type (never for one it does not serve, as meta tensors' device)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 def flash_attn_func(
@@ -177,7 +182,7 @@ def _plain_key(
         return None
     if not (softmax_scale is None or type(softmax_scale) in _NUMBER) or any(type(w) is not int for w in window_size):
         return None
-    if torch.is_autocast_enabled(q.device.type):
+    if _autocasting(q.device.type):
         return None
     grads = torch.is_grad_enabled() and (q.requires_grad, k.requires_grad, v.requires_grad)
     return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, softmax_scale,
