@@ -155,6 +155,14 @@ def _builds():
     return base, head
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an int of 1 or more."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def _flag(ratio: float | None, tolerance: float) -> bool:
     return ratio is not None and ratio > 1 + tolerance
 
@@ -318,7 +326,9 @@ def main(argv=None) -> int:
     r.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     r.add_argument("--rounds", type=int, default=7, help="rounds per timing; times are their medians (default 7)")
     r.add_argument("--round-ms", type=float, default=150.0, help="each build's calls per round, in ms (default 150)")
-    r.add_argument("--captures", type=int, default=3, help="graphs captured per build for the replays (default 3)")
+    r.add_argument(
+        "--captures", type=_positive, default=3, help="graphs captured per build for the replays (default 3)"
+    )
     r.add_argument("--tolerance", type=float, default=0.01, help="flag head/base above 1 + this (default 0.01)")
     r.add_argument("--out", default="ab_sweep.json", help="JSON written after every case-mode")
     args = parser.parse_args(argv)

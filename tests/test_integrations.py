@@ -284,10 +284,13 @@ def test_transformers_flash_wrapper_takes_flashtriton_as_a_hub_kernel(padded, mo
 
     kernel = (spied(flashtriton.flash_attn_func), spied(flashtriton.flash_attn_varlen_func))
     monkeypatch.setattr(fa, "_lazy_imports", lambda *args, **kwargs: (*kernel, None, fa._pad_input, fa._unpad_input))
-    monkeypatch.setattr(fa, "_loaded_implementation", None)
+    # transformers keeps what it loaded in module globals: restored after the test, as the registrations are
+    for loaded in ("_loaded_implementation", "_flash_fn", "_flash_varlen_fn", "_flash_with_kvcache_fn", "_pad_fn",
+                   "_unpad_fn", "_process_flash_kwargs_fn"):  # fmt: skip
+        monkeypatch.setattr(fa, loaded, None)
     name = "hub_entry_test"  # without "flash" or "/", which would make transformers fetch a kernel
-    transformers.AttentionInterface.register(name, flash_attention_forward)
-    transformers.AttentionMaskInterface.register(name, flash_attention_mask)
+    monkeypatch.setitem(transformers.AttentionInterface._global_mapping, name, flash_attention_forward)
+    monkeypatch.setitem(transformers.AttentionMaskInterface._global_mapping, name, flash_attention_mask)
     model, ids, mask = _gpt_oss(name, padded)
     real = mask.bool()
     masks = dict(attention_mask=mask) if padded else {}

@@ -67,7 +67,10 @@ def _cases(tiny: bool) -> list[Case]:
         ),
         "paged-256": replace(base, page_size=256, capacity=512, seqlens=(250, 40), n_new=8, n_q=2, heads_k=1),
         # pages smaller than a tile: its rows' pages by a read each, pages not a power of two, tiles over three pages
-        "paged-12-leftpad": replace(base, page_size=12, capacity=48, leftpad=(10, 20), seqlens=(27, 5), n_new=2, n_q=2),
+        # (the interpreter's tiles of 16; on the GPU tiles of 128 read each row's entry)
+        "paged-12-leftpad": replace(
+            base, page_size=12, capacity=48, leftpad=(10, 20), seqlens=(27, 33), n_new=2, n_q=2
+        ),
         # pages too small for that (config.DECODE_TILE_PAGES_MAX_READS): a block-table entry per row
         "paged-1": replace(base, page_size=1, capacity=40, seqlens=(21, 36), n_new=2, n_q=2, options=dict(causal=True)),
         # pages of a tile or more: a tile's rows from two block-table entries, its tiles crossing pages (leftpad, a

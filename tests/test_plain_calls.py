@@ -48,12 +48,46 @@ def test_a_reused_call_gets_the_checked_parameters(options, grad, params_seen):
     first = flashtriton.flash_attn_func(q, k, v, **options)
     assert len(interface._PLAIN) == 1  # the call was plain: its parameters are kept
     second = flashtriton.flash_attn_func(q, k, v, **options)
-    assert params_seen[0] == params_seen[1]
+    assert params_seen[1] is params_seen[0]  # reused
+    interface._PLAIN.clear()
+    flashtriton.flash_attn_func(q, k, v, **options)
+    assert params_seen[2] is not params_seen[0] and params_seen[2] == params_seen[0]  # as the checks give them
     for a, b in zip(*(x if isinstance(x, tuple) else (x,) for x in (first, second)), strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
     if grad:  # the reused call wrote the LSE its backward needs
         (second[0] if isinstance(second, tuple) else second).sum().backward()
         assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+FIELDS = {  # one call of the same tensors and another that differs from it in one field of the key
+    "causal": ({}, {"causal": True}),
+    "deterministic": ({}, {"deterministic": True}),
+    "return_attn_probs": ({}, {"return_attn_probs": True}),
+    "window": ({"window_size": (5, 0)}, {"window_size": (6, 0)}),
+    "scale": ({"softmax_scale": 0.25}, {"softmax_scale": 0.5}),
+    "softcap": ({}, {"softcap": 3.0}),
+}
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_calls_that_differ_in_one_field_get_their_own_parameters(field, params_seen):
+    """Each field of the key tells calls apart: the second call's parameters are its own, as the checks give them."""
+    q, k, v = _qkv()
+    first, second = FIELDS[field]
+    flashtriton.flash_attn_func(q, k, v, **first)
+    flashtriton.flash_attn_func(q, k, v, **second)
+    assert params_seen[1] != params_seen[0]
+    interface._PLAIN.clear()
+    flashtriton.flash_attn_func(q, k, v, **second)
+    assert params_seen[2] == params_seen[1]
+
+
+def test_other_key_lengths_get_their_own_parameters(params_seen):
+    """seqlen_k is in the key through k's shape: a window bound past it is none (-1), one inside it is kept."""
+    q, k, v = _qkv()
+    flashtriton.flash_attn_func(q, k, v, window_size=(30, 0))  # 29 keys: no left bound
+    flashtriton.flash_attn_func(q, torch.cat([k, k], 1), torch.cat([v, v], 1), window_size=(30, 0))
+    assert params_seen[0].window_left == -1 and params_seen[1].window_left == 30
 
 
 def test_not_plain_calls_are_not_kept(params_seen):

@@ -154,7 +154,7 @@ def flash_attn_func(
     )  # fmt: skip
     if plain is not None:
         if len(_PLAIN) >= _MAX_PLAIN:
-            _PLAIN.pop(next(iter(_PLAIN)))  # the oldest
+            _PLAIN.pop(next(iter(_PLAIN), None), None)  # the oldest (another thread may have taken it already)
         _PLAIN[plain] = params
     return _attention(q, k, v, params, return_attn_probs)
 

@@ -70,8 +70,8 @@ class AttentionParams:
     # (nheads,) fp32, contiguous. Not compared: layout keys (route._layout_key) take its layout, calls its values
     sinks: torch.Tensor | None = field(default=None, compare=False)
 
-    # Derived flags, each decided here once (plain properties: a call's params are new each call, so caching them
-    # per instance saved nothing and cost cached_property's lock on every first read).
+    # Derived flags, each decided here once (plain properties: most calls' params are new each call, so caching
+    # them per instance saved little and cost cached_property's lock on every first read).
 
     @property
     def varlen(self) -> bool:

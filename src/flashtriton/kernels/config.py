@@ -447,7 +447,8 @@ MERGE_WARPS = 4
 # Paged caches read a tile's pages (a scalar block-table read each, one more than it holds whole: it may start inside
 # one) instead of each row's entry. Pages of a tile or more: measured faster at 32k and 128k rows, slower at 4k
 # (DECISIONS, "Decoding"); 16k, between them, is a guess. Smaller pages: faster at every length measured (pages of
-# 16), down to pages of an eighth of a tile (nine reads), below which each row's entry is read
+# 16 in tiles of 64, five reads); down to pages of an eighth of a tile (nine reads, a bound not measured), below
+# which each row's entry is read
 DECODE_TILE_PAGES_MIN_CAPACITY = 16384
 DECODE_TILE_PAGES_MAX_READS = 9
 INTERPRETER_SMS = 4  # the SM count the interpreter's split choice assumes (caches of 512+ rows then split)
