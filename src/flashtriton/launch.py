@@ -306,5 +306,5 @@ def keep(plans: dict[tuple, Plan], key: tuple | None, recorder: Recorder, limit:
     if key is None or plan is None:
         return
     if len(plans) >= limit:
-        plans.pop(next(iter(plans)), None)
+        plans.pop(next(iter(plans), None), None)
     plans[key] = plan

@@ -149,7 +149,7 @@ def _shared_zeros(x: torch.Tensor) -> torch.Tensor:
     zeros = _ZEROS.get(key)
     if zeros is None:
         if len(_ZEROS) >= _MAX_ZEROS:
-            _ZEROS.pop(next(iter(_ZEROS)))  # the oldest
+            _ZEROS.pop(next(iter(_ZEROS), None), None)  # the oldest (another thread may have taken it already)
         zeros = _ZEROS[key] = torch.zeros_like(x, memory_format=torch.contiguous_format)
     return zeros
 

@@ -229,7 +229,7 @@ def _remembered(key: tuple | None, decide) -> Route:
         route = decide()
         if key is not None:
             if len(_ROUTES) >= _MAX_ROUTES:
-                _ROUTES.pop(next(iter(_ROUTES)), None)  # the oldest
+                _ROUTES.pop(next(iter(_ROUTES), None), None)  # the oldest
             _ROUTES[key] = route = replace(route, key=key)
     return route
 
