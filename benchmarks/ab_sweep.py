@@ -155,14 +155,6 @@ def _builds():
     return base, head
 
 
-def _positive(text: str) -> int:
-    """An argparse type: an int of 1 or more."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
-    return value
-
-
 def _flag(ratio: float | None, tolerance: float) -> bool:
     return ratio is not None and ratio > 1 + tolerance
 
@@ -315,6 +307,8 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
+    from flashtriton.bench.cli import positive_int  # here, not at the top: the helpers import without torch
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="write ab-base/flashtriton_base from a commit (runs anywhere)")
@@ -327,7 +321,7 @@ def main(argv=None) -> int:
     r.add_argument("--rounds", type=int, default=7, help="rounds per timing; times are their medians (default 7)")
     r.add_argument("--round-ms", type=float, default=150.0, help="each build's calls per round, in ms (default 150)")
     r.add_argument(
-        "--captures", type=_positive, default=3, help="graphs captured per build for the replays (default 3)"
+        "--captures", type=positive_int, default=3, help="graphs captured per build for the replays (default 3)"
     )
     r.add_argument("--tolerance", type=float, default=0.01, help="flag head/base above 1 + this (default 0.01)")
     r.add_argument("--out", default="ab_sweep.json", help="JSON written after every case-mode")

@@ -41,8 +41,8 @@ CPU_SEQLENS = (512, 1024, 2048)  # kept short on a CPU: a case's time grows as N
 CPU_BATCH, CPU_HEADS = 1, 4
 
 
-def _positive(text: str) -> int:
-    """An argparse type: an int >= 1 (a head dim or a length)."""
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1 (a head dim, a length; benchmarks/ scripts' counts too)."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
@@ -283,13 +283,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--head-dims",
-        type=_positive,
+        type=positive_int,
         nargs="+",
         help="default 64 128 256 (CPU: 64; --quick: 128 on a GPU, 64 on a CPU)",
     )
     parser.add_argument(
         "--seqlens",
-        type=_positive,
+        type=positive_int,
         nargs="+",
         help="default 512 to 16384 (CPU: 512 1024 2048; --quick: 4096, CPU 1024)",
     )
