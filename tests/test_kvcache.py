@@ -443,7 +443,7 @@ def test_route_decides_the_decode_family_and_splits():
     # a short cache: no split below config.DECODE_MIN_SPLIT_KEYS rows; a caller's count capped at the cache's tiles
     assert route.decode(q, 300, 8, 0, gpu="sm90", sms=132).config.splits == 1
     # paged: a tile's pages by tile where pages hold tiles and the cache is long, or pages are smaller than a tile
-    # (down to an eighth of it) at any length; contiguous caches have no pages
+    # (up to config.DECODE_TILE_PAGES_MAX_READS reads) at any length; contiguous caches have no pages
     long_pages = route.decode(q, 131072, 8, 0, gpu="sm90", sms=132, page_size=256).config
     assert long_pages.tile_pages and long_pages.block_n <= 256
     assert not route.decode(q, 4096, 8, 0, gpu="sm90", sms=132, page_size=256).config.tile_pages
