@@ -434,8 +434,8 @@ def test_route_decides_the_decode_family_and_splits():
     q = torch.empty(2, 1, 32, 128, device="meta", dtype=torch.bfloat16)
     r = route.decode(q, 8192, 8, 0, gpu="sm90", sms=132)
     assert r.family == route.DECODE and r.config.block_m == 16
-    # 16 (sequence, K/V head) pairs on 132 SMs: 2 programs per SM at 3 stages are 16 splits (8192 rows allow 32)
-    assert (r.config.splits, r.config.num_stages) == (16, 3)
+    # 16 (sequence, K/V head) pairs on 132 SMs fit one program per SM: the wide tiles, 8 splits (8192 rows allow 32)
+    assert (r.config.splits, r.config.num_stages, r.config.block_n, r.config.num_warps) == (8, 3, 128, 8)
     # 64 x 8 pairs pass 2 per SM: up to 4 per SM at 2 stages, so one program each; paged caches aim at 4 per SM
     assert route.decode(q.new_empty(64, 1, 32, 128), 8192, 8, 0, gpu="sm90", sms=132).config.splits == 1
     assert route.decode(q, 131072, 8, 0, gpu="sm90", sms=132, page_size=16).config.splits == 33
@@ -443,12 +443,14 @@ def test_route_decides_the_decode_family_and_splits():
     for paged, batch, heads_k, capacity in itertools.product((0, 16), (1, 2, 3, 8, 17, 64, 300), (1, 8), (4096, 65536)):
         many = torch.empty(batch, 1, 32, 128, device="meta", dtype=torch.bfloat16)
         c = route.decode(many, capacity, heads_k, 0, gpu="sm90", sms=132, page_size=paged).config
-        per_sm = {True: 4, False: 2 if c.num_stages == 3 else 4}[paged > 0]
-        pairs = batch * heads_k
+        programs = batch * heads_k  # one row tile each: 4 or 32 packed rows
+        wide = not paged and programs <= 132
+        assert (c.block_n, c.num_warps) == ((128, 8) if wide else (64, 4)), (paged, batch, heads_k)
+        assert c.num_stages == (3 if not paged and programs <= 2 * 132 else 2), (paged, batch, heads_k)
+        per_sm = 4 if paged else 1 if wide else 2 if c.num_stages == 3 else 4
         capped = c.splits in (capacity // config.DECODE_MIN_SPLIT_KEYS, config.DECODE_MAX_SPLITS)
-        assert c.splits == 1 or pairs * c.splits <= per_sm * 132, (paged, batch, heads_k, capacity)
-        assert capped or pairs * (c.splits + 1) > per_sm * 132, (paged, batch, heads_k, capacity)
-        assert c.num_stages == (3 if not paged and pairs <= 2 * 132 else 2)
+        assert c.splits == 1 or programs * c.splits <= per_sm * 132, (paged, batch, heads_k, capacity)
+        assert capped or programs * (c.splits + 1) > per_sm * 132, (paged, batch, heads_k, capacity)
     # a short cache: no split below config.DECODE_MIN_SPLIT_KEYS rows; a caller's count capped at the cache's tiles
     assert route.decode(q, 300, 8, 0, gpu="sm90", sms=132).config.splits == 1
     # paged: a tile's pages by tile where pages hold tiles and the cache is long, or pages are smaller than a tile

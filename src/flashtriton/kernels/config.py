@@ -440,10 +440,12 @@ DECODE_MIN_SPLIT_KEYS = 256  # cache rows per split at least: each split costs a
 # A split grid is one wave that loads every SM alike (programs of one call stream equal shares, so an SM holding one
 # more than another finishes last): 2 programs per SM at 3 pipeline stages (3 fit on an SM), or, where the unsplit grid
 # already passes 2 per SM, up to 4 per SM at 2 stages (5 fit). A paged cache's loads wait on the block table's and
-# take no stages: 4 per SM (4 fit). Swept by CUDA-graph replay (benchmarks/decode_tune.py --sweep; DECISIONS,
-# "Decoding"): a grid between whole counts per SM, or one past a wave, was 3-40% slower
+# take no stages: 4 per SM (4 fit). A table row's wide tiles (contiguous caches) fit one program per SM. Swept by
+# CUDA-graph replay (benchmarks/decode_tune.py --sweep; DECISIONS, "Decoding"): a grid between whole counts per SM,
+# or one past a wave, was 3-40% slower
 DECODE_WAVES = ((2, 3), (4, 2))  # (programs per SM, num_stages), the first whose count the unsplit grid fits
 DECODE_WAVES_PAGED = ((4, 2),)
+DECODE_WAVES_WIDE = ((1, 3),)
 DECODE_COMBINE_WARPS = 4
 # The ring's merges (kernels/merge.py): elementwise passes over fp32 rows, a program's tile of this many elements
 MERGE_TILE_ELEMENTS = 4096
@@ -456,17 +458,18 @@ MERGE_WARPS = 4
 DECODE_TILE_PAGES_MIN_CAPACITY = 16384
 DECODE_TILE_PAGES_MAX_READS = 5
 INTERPRETER_SMS = 4  # the SM count the interpreter's split choice assumes (caches of 512+ rows then split)
-# (max head dim, block_n, num_warps) for 2-byte dtypes on CUDA GPUs, 16 KB K and V tiles each; fp32 halves block_n
-_DECODE_TABLE = ((64, 128, 4), (128, 64, 4), (256, 32, 4))
+# (max head dim, block_n, num_warps, wide) for 2-byte dtypes on CUDA GPUs, 16 KB K and V tiles each; fp32 halves
+# block_n. wide: (block_n, num_warps) of 32 KB tiles for a contiguous cache whose unsplit grid fits DECODE_WAVES_WIDE
+# (1-3.5% faster at D=128 from B1 to B16; measured there only)
+_DECODE_TABLE = ((64, 128, 4, None), (128, 64, 4, (128, 8)), (256, 32, 4, None))
 _INTERPRETER_DECODE = (16, 1)  # block_n, num_warps
 
 
-def decode_waves(programs: int, capacity: int, sms: int, paged: bool) -> tuple[int, int]:
+def decode_waves(programs: int, capacity: int, sms: int, waves: tuple[tuple[int, int], ...]) -> tuple[int, int]:
     """(splits, num_stages) for a grid of ``programs`` unsplit programs over caches of ``capacity`` rows: the first
-    row of DECODE_WAVES (paged: DECODE_WAVES_PAGED) whose programs per SM the grid fits, split to at most that many
-    per SM and no more than DECODE_MIN_SPLIT_KEYS rows each allow. From shapes alone: the lengths are device
+    row of ``waves`` (DECODE_WAVES or another such table) whose programs per SM the grid fits, split to at most that
+    many per SM and no more than DECODE_MIN_SPLIT_KEYS rows each allow. From shapes alone: the lengths are device
     values."""
-    waves = DECODE_WAVES_PAGED if paged else DECODE_WAVES
     per_sm, stages = next((row for row in waves if programs <= row[0] * sms), waves[-1])
     splits = max(1, min(per_sm * sms // programs, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
     return splits, stages
@@ -487,16 +490,20 @@ def decode_config(
     caches of ``capacity`` rows in pages of ``page_size`` (0: contiguous) and ``sms`` SMs. ``num_splits``: the
     caller's (0: choose), capped at the cache's tiles (a split with no tile computes nothing). The interpreter reads
     whole-tile pages by tile at any capacity, so that CI runs that path."""
+    block_m = min(max(MIN_BLOCK, next_power_of_2(rows)), DECODE_MAX_BLOCK_M)
+    programs = pairs * -(-rows // block_m)
+    waves = DECODE_WAVES_PAGED if page_size > 0 else DECODE_WAVES
     if arch == "interpreter":
         block_n, warps = _INTERPRETER_DECODE
     else:
         padded = block_d(head_dim)
-        _, block_n, warps = next(row for row in _DECODE_TABLE if padded <= row[0])
+        _, block_n, warps, wide = next(row for row in _DECODE_TABLE if padded <= row[0])
         if dtype == torch.float32:
             block_n = max(MIN_BLOCK, block_n // 2)
-    block_m = min(max(MIN_BLOCK, next_power_of_2(rows)), DECODE_MAX_BLOCK_M)
+        elif wide is not None and page_size <= 0 and programs <= DECODE_WAVES_WIDE[0][0] * sms:
+            (block_n, warps), waves = wide, DECODE_WAVES_WIDE
     tiles = max(1, -(-capacity // block_n))
-    splits, stages = decode_waves(pairs * -(-rows // block_m), capacity, sms, page_size > 0)
+    splits, stages = decode_waves(programs, capacity, sms, waves)
     splits = num_splits or splits
     by_tile = tile_pages(arch, block_n, capacity, page_size)
     return DecodeConfig(block_m, block_n, warps, stages, min(splits, tiles), by_tile)
