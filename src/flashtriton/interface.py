@@ -60,8 +60,10 @@ def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def _autocasting(device_type: str) -> bool:
-    """Whether torch.autocast is on for the device type (never for one it does not serve, as meta tensors' device)."""
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    """Whether torch.autocast is on for the device type; never for meta tensors, whose device it does not serve
+    (asking raises). Not torch.amp.is_autocast_available: torch 2.11's dynamo cannot trace it, and a traced call asks
+    too."""
+    return device_type != "meta" and torch.is_autocast_enabled(device_type)
 
 
 def flash_attn_func(
