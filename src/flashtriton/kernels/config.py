@@ -453,8 +453,8 @@ MERGE_WARPS = 4
 # Paged caches read a tile's pages (a scalar block-table read each, one more than it holds whole: it may start inside
 # one) instead of each row's entry. Pages of a tile or more: measured faster at 32k and 128k rows, slower at 4k
 # (DECISIONS, "Decoding"); 16k, between them, is a guess. Smaller pages: faster at every length measured (pages of
-# 16 in tiles of 64: five reads), so up to the five reads measured; pages smaller still (or D=64's tiles of 128)
-# read each row's entry
+# 16 in tiles of 64: five reads), up to those five; D=64's tiles of 128 over pages of 16 (nine reads) were 3-4%
+# slower than each row's entry, which pages smaller still read too
 DECODE_TILE_PAGES_MIN_CAPACITY = 16384
 DECODE_TILE_PAGES_MAX_READS = 5
 INTERPRETER_SMS = 4  # the SM count the interpreter's split choice assumes (caches of 512+ rows then split)
