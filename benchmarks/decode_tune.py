@@ -8,9 +8,10 @@
 
 32/8 heads, D=128 (--head-dim), bf16, seqlen_q 1, the whole cache attended. Splits are taken as ceil(t * SMs /
 (B * H_KV)) for t programs per SM (t = 1, 2, 4, 8), capped at a split per DECODE_MIN_SPLIT_KEYS rows; --sweep takes
-every count from 1 to 32 and those that fill whole waves instead, and notes how many programs of each config one SM
-holds. Small caches are replayed from several copies (about 300 MB in all) so that L2 does not hold them. Prints,
-per shape, cuDNN's time, the table's current choice and the best forced config; the JSON has every time.
+every count from 1 to 32, 48 to 128 by 16 and those that fill whole waves instead, and notes how many programs of
+each config one SM holds (the first compiled kernel of that block_n, warps and stages: contiguous, this head dim).
+Small caches are replayed from several copies (about 300 MB in all) so that L2 does not hold them. Prints, per
+shape, cuDNN's time, the table's current choice and the best forced config; the JSON has every time.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ drives flash_attn_with_kvcache. Pages are handed out in a shuffled order, as a l
 The peers run the same greedy loop through transformers' SDPA attention with its DynamicCache (the default) and its
 StaticCache.
 
-Prints decode tokens/s (batch x new tokens / decode time, the best of --repeats runs; the prefill timed apart), each
+Prints decode tokens/s (batch x the new tokens after the first, over their decode steps' time, the best of --repeats
+runs; the prefill, which gives the first, timed apart), each
 run's first-step logits' largest error against the same weights in fp32 (bf16 and fp16 runs), and whether each peer
 produced the same tokens as flashtriton: with random weights the top logits of a step are close, so low-precision runs
 of either attention part ways early; on the CPU in fp32 the tokens are the same (tests/test_generate_example.py).
@@ -120,11 +121,10 @@ def generate_flashtriton(model, prompt: torch.Tensor, new_tokens: int, page_size
         static_ids = ids.clone()
         saved = cache.cache_seqlens.clone()
         step(static_ids)  # compile and warm everything for this shape outside the capture
-        cache.cache_seqlens.copy_(saved)
+        cache.cache_seqlens.copy_(saved)  # (the step's rows are written again by the first replay)
         replay = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(replay):
+        with torch.cuda.graph(replay):  # records the step; runs nothing
             static_logits = step(static_ids)
-        cache.cache_seqlens.copy_(saved)  # the capture ran nothing, but keep the bookkeeping exact
 
         def decode_step(ids: torch.Tensor) -> torch.Tensor:
             static_ids.copy_(ids)
@@ -179,6 +179,8 @@ def main() -> None:
     parser.add_argument("--graph", action="store_true", help="replay flashtriton's decode step from a CUDA graph")
     parser.add_argument("--repeats", type=int, default=2, help="runs per provider, the fastest kept (the first warms)")
     args = parser.parse_args()
+    if args.graph and not args.device.startswith("cuda"):
+        parser.error("--graph captures CUDA graphs: it needs --device cuda")
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     register()
     model = build_model(args.model, dtype, args.device)

@@ -1,5 +1,6 @@
-"""examples/generate_llama.py on the CPU: greedy generation through flash_attn_with_kvcache on shuffled pages gives
-transformers' SDPA tokens and first logits, and leaves each sequence's rows in its pages."""
+"""examples/generate_llama.py on the CPU (the PyTorch path, and the decode kernels in Triton's interpreter): greedy
+generation through flash_attn_with_kvcache on shuffled pages gives transformers' SDPA tokens and first logits, and
+leaves each sequence's rows in its pages."""
 
 import sys
 from pathlib import Path
@@ -11,9 +12,14 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import generate_llama
 
+from helpers import TARGETS
 
+CPU_TARGETS = [t for t in TARGETS if t.device == "cpu"]
+
+
+@pytest.mark.parametrize("backend", CPU_TARGETS, indirect=True, ids=str)
 @pytest.mark.parametrize("static", [False, True])
-def test_greedy_generation_matches_sdpa(static):
+def test_greedy_generation_matches_sdpa(backend, static):
     generate_llama.register()
     model = generate_llama.build_model("tiny", torch.float32, "cpu")
     prompt = torch.randint(0, model.config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(1))
@@ -25,8 +31,7 @@ def test_greedy_generation_matches_sdpa(static):
 
 
 def test_cache_holds_the_sequence_in_its_pages():
-    """The pages of layer 0 hold the keys transformers' own cache holds, in block-table order (the prompt and the
-    generated tokens but the last, whose keys no step computed)."""
+    """After a prefill, the pages of layer 0 hold the keys transformers' own cache holds, in block-table order."""
     from transformers import DynamicCache
 
     generate_llama.register()

@@ -436,21 +436,30 @@ def test_route_decides_the_decode_family_and_splits():
     assert r.family == route.DECODE and r.config.block_m == 16
     # 16 (sequence, K/V head) pairs on 132 SMs fit one program per SM: the wide tiles, 8 splits (8192 rows allow 32)
     assert (r.config.splits, r.config.num_stages, r.config.block_n, r.config.num_warps) == (8, 3, 128, 8)
-    # 64 x 8 pairs pass 2 per SM: up to 4 per SM at 2 stages, so one program each; paged caches aim at 4 per SM
+    # 64 x 8 pairs pass 2 per SM: unsplit at 2 stages; paged caches aim at 4 per SM
     assert route.decode(q.new_empty(64, 1, 32, 128), 8192, 8, 0, gpu="sm90", sms=132).config.splits == 1
     assert route.decode(q, 131072, 8, 0, gpu="sm90", sms=132, page_size=16).config.splits == 33
-    # every split grid is one wave of whole programs per SM, split as far as that wave and the rows per split allow
-    for paged, batch, heads_k, capacity in itertools.product((0, 16), (1, 2, 3, 8, 17, 64, 300), (1, 8), (4096, 65536)):
+    # every split grid is one wave of whole programs per SM, split as far as that wave and the rows per split allow;
+    # the wide tiles are Hopper's alone (other GPUs' shared memory holds none), for head dims padded to 128
+    shapes = itertools.product(("sm90", "cuda"), (0, 16), (1, 2, 3, 8, 17, 64, 300), (1, 8), (4096, 65536))
+    for gpu, paged, batch, heads_k, capacity in shapes:
         many = torch.empty(batch, 1, 32, 128, device="meta", dtype=torch.bfloat16)
-        c = route.decode(many, capacity, heads_k, 0, gpu="sm90", sms=132, page_size=paged).config
+        c = route.decode(many, capacity, heads_k, 0, gpu=gpu, sms=132, page_size=paged).config
         programs = batch * heads_k  # one row tile each: 4 or 32 packed rows
-        wide = not paged and programs <= 132
-        assert (c.block_n, c.num_warps) == ((128, 8) if wide else (64, 4)), (paged, batch, heads_k)
-        assert c.num_stages == (3 if not paged and programs <= 2 * 132 else 2), (paged, batch, heads_k)
-        per_sm = 4 if paged else 1 if wide else 2 if c.num_stages == 3 else 4
+        wide = gpu == "sm90" and not paged and programs <= 132
+        case = gpu, paged, batch, heads_k, capacity
+        assert (c.block_n, c.num_warps) == ((128, 8) if wide else (64, 4)), case
+        assert c.num_stages == (3 if not paged and programs <= 2 * 132 else 2), case
+        per_sm = 4 if paged else 1 if wide else 2
         capped = c.splits in (capacity // config.DECODE_MIN_SPLIT_KEYS, config.DECODE_MAX_SPLITS)
-        assert c.splits == 1 or programs * c.splits <= per_sm * 132, (paged, batch, heads_k, capacity)
-        assert capped or programs * (c.splits + 1) > per_sm * 132, (paged, batch, heads_k, capacity)
+        assert c.splits == 1 or programs * c.splits <= per_sm * 132, case
+        assert capped or programs > per_sm * 132 or programs * (c.splits + 1) > per_sm * 132, case
+        assert programs <= per_sm * 132 or c.splits == 1, case
+    for head_dim, block_n in ((64, 128), (96, 128), (256, 32)):  # wide only where D pads to 128
+        c = route.decode(q.new_empty(2, 1, 32, head_dim), 8192, 8, 0, gpu="sm90", sms=132).config
+        assert c.block_n == block_n, head_dim
+    fp32 = route.decode(q.new_empty(2, 1, 32, 128, dtype=torch.float32), 8192, 8, 0, gpu="sm90", sms=132).config
+    assert (fp32.block_n, fp32.num_warps) == (32, 4)  # no wide tiles: fp32 halves the table's
     # a short cache: no split below config.DECODE_MIN_SPLIT_KEYS rows; a caller's count capped at the cache's tiles
     assert route.decode(q, 300, 8, 0, gpu="sm90", sms=132).config.splits == 1
     # paged: a tile's pages by tile where pages hold tiles and the cache is long, or pages are smaller than a tile
@@ -463,7 +472,9 @@ def test_route_decides_the_decode_family_and_splits():
         assert small.tile_pages and small.block_n // 16 + 1 <= config.DECODE_TILE_PAGES_MAX_READS
         assert not route.decode(q, capacity, 8, 0, gpu="sm90", sms=132, page_size=4).config.tile_pages
     assert not route.decode(q, 131072, 8, 0, gpu="sm90", sms=132).config.tile_pages
-    assert route.decode(q, 100, 8, 64, gpu="sm90", sms=132).config.splits == -(-100 // r.config.block_n)
+    # the caller's count, capped at the tiles: 1000 rows are 8 wide tiles (the table alone would take 3 splits)
+    assert route.decode(q, 1000, 8, 0, gpu="sm90", sms=132).config.splits == 3
+    assert route.decode(q, 1000, 8, 64, gpu="sm90", sms=132).config.splits == 8
     assert route.decode(q[:0], 100, 8, 0, gpu="sm90").family == route.NONE
     assert config.decode_config("sm90", 128, torch.bfloat16, 4 * 16, 1, 8192, 132, 1).block_m == 64
 

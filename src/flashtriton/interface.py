@@ -61,8 +61,8 @@ def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def _autocasting(device_type: str) -> bool:
     """Whether torch.autocast is on for the device type; never for meta tensors, whose device it does not serve
-    (asking raises). Not torch.amp.is_autocast_available: torch 2.11's dynamo cannot trace it, and a traced call asks
-    too."""
+    (asking raises; other devices it does not serve raise torch's error). Not torch.amp.is_autocast_available:
+    torch 2.11's dynamo cannot trace it, and a traced call asks too."""
     return device_type != "meta" and torch.is_autocast_enabled(device_type)
 
 

@@ -437,15 +437,26 @@ class DecodeConfig:
 DECODE_MAX_BLOCK_M = 64  # packed rows per program; a call with more (long seqlen_q x GROUP) runs several row tiles
 DECODE_MAX_SPLITS = 128  # the most splits: the combine reads one partial row per split
 DECODE_MIN_SPLIT_KEYS = 256  # cache rows per split at least: each split costs a partial write and a combine read
+
+
+@dataclass(frozen=True)
+class DecodeWave:
+    """How a split grid fills the SMs: a grid of up to per_sm unsplit programs per SM is split until it holds per_sm
+    per SM, at ``stages`` pipeline stages; a larger one runs unsplit, at ``unsplit_stages``."""
+
+    per_sm: int
+    stages: int
+    unsplit_stages: int
+
+
 # A split grid is one wave that loads every SM alike (programs of one call stream equal shares, so an SM holding one
-# more than another finishes last): 2 programs per SM at 3 pipeline stages (3 fit on an SM), or, where the unsplit grid
-# already passes 2 per SM, up to 4 per SM at 2 stages (5 fit). A paged cache's loads wait on the block table's and
-# take no stages: 4 per SM (4 fit). A table row's wide tiles (contiguous caches) fit one program per SM. Swept by
-# CUDA-graph replay (benchmarks/decode_tune.py --sweep; DECISIONS, "Decoding"): a grid between whole counts per SM,
-# or one past a wave, was 3-40% slower
-DECODE_WAVES = ((2, 3), (4, 2))  # (programs per SM, num_stages), the first whose count the unsplit grid fits
-DECODE_WAVES_PAGED = ((4, 2),)
-DECODE_WAVES_WIDE = ((1, 3),)
+# more than another finishes last): 2 programs per SM at 3 stages (3 fit an H100/H200 SM at D=128); a grid already
+# past that runs unsplit at 2 stages (5 fit). A paged cache's loads wait on the block table's and take no stages: 4
+# per SM (4 fit). The wide tiles fit one program per SM. Swept by CUDA-graph replay (benchmarks/decode_tune.py
+# --sweep; DECISIONS, "Decoding"): a grid between whole counts per SM, or one past a wave, was 3-40% slower
+DECODE_WAVE = DecodeWave(per_sm=2, stages=3, unsplit_stages=2)
+DECODE_WAVE_PAGED = DecodeWave(per_sm=4, stages=2, unsplit_stages=2)
+DECODE_WAVE_WIDE = DecodeWave(per_sm=1, stages=3, unsplit_stages=3)  # taken only by grids it fits
 DECODE_COMBINE_WARPS = 4
 # The ring's merges (kernels/merge.py): elementwise passes over fp32 rows, a program's tile of this many elements
 MERGE_TILE_ELEMENTS = 4096
@@ -457,22 +468,23 @@ MERGE_WARPS = 4
 # slower than each row's entry, which pages smaller still read too
 DECODE_TILE_PAGES_MIN_CAPACITY = 16384
 DECODE_TILE_PAGES_MAX_READS = 5
-INTERPRETER_SMS = 4  # the SM count the interpreter's split choice assumes (caches of 512+ rows then split)
-# (max head dim, block_n, num_warps, wide) for 2-byte dtypes on CUDA GPUs, 16 KB K and V tiles each; fp32 halves
-# block_n. wide: (block_n, num_warps) of 32 KB tiles for a contiguous cache whose unsplit grid fits DECODE_WAVES_WIDE
-# (1-3.5% faster at D=128 from B1 to B16; measured there only)
-_DECODE_TABLE = ((64, 128, 4, None), (128, 64, 4, (128, 8)), (256, 32, 4, None))
+INTERPRETER_SMS = 4  # the SM count the interpreter's split choice assumes (small grids of 512+ rows then split)
+# (max head dim, block_n, num_warps) for 2-byte dtypes on CUDA GPUs, 16 KB K and V tiles each; fp32 halves block_n
+_DECODE_TABLE = ((64, 128, 4), (128, 64, 4), (256, 32, 4))
+# Hopper, head dims padded to 128, 2-byte dtypes, contiguous caches whose unsplit grid fits DECODE_WAVE_WIDE: 32 KB
+# tiles (block_n, num_warps), one program per SM (measured at D=128; other GPUs have too little shared memory)
+_DECODE_WIDE = (128, 8)
 _INTERPRETER_DECODE = (16, 1)  # block_n, num_warps
 
 
-def decode_waves(programs: int, capacity: int, sms: int, waves: tuple[tuple[int, int], ...]) -> tuple[int, int]:
-    """(splits, num_stages) for a grid of ``programs`` unsplit programs over caches of ``capacity`` rows: the first
-    row of ``waves`` (DECODE_WAVES or another such table) whose programs per SM the grid fits, split to at most that
-    many per SM and no more than DECODE_MIN_SPLIT_KEYS rows each allow. From shapes alone: the lengths are device
-    values."""
-    per_sm, stages = next((row for row in waves if programs <= row[0] * sms), waves[-1])
-    splits = max(1, min(per_sm * sms // programs, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
-    return splits, stages
+def decode_waves(programs: int, capacity: int, sms: int, wave: DecodeWave) -> tuple[int, int]:
+    """(splits, num_stages) for a grid of ``programs`` unsplit programs over caches of ``capacity`` rows: split to
+    at most wave.per_sm programs per SM, no more than DECODE_MIN_SPLIT_KEYS rows each allow; unsplit where the grid
+    already passes that. From shapes alone: the lengths are device values."""
+    if programs > wave.per_sm * sms:
+        return 1, wave.unsplit_stages
+    splits = max(1, min(wave.per_sm * sms // programs, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
+    return splits, wave.stages
 
 
 def decode_config(
@@ -487,23 +499,24 @@ def decode_config(
     page_size: int = 0,
 ) -> DecodeConfig:
     """The decode kernels' config for ``rows`` packed query rows per (sequence, K/V head), ``pairs`` such pairs,
-    caches of ``capacity`` rows in pages of ``page_size`` (0: contiguous) and ``sms`` SMs. ``num_splits``: the
-    caller's (0: choose), capped at the cache's tiles (a split with no tile computes nothing). The interpreter reads
-    whole-tile pages by tile at any capacity, so that CI runs that path."""
+    caches of ``capacity`` rows in pages of ``page_size`` (0: contiguous) and ``sms`` SMs: the table's tiles (or the
+    wide ones), split and staged as decode_waves says. ``num_splits``: the caller's (0: choose), capped at the
+    cache's tiles (a split with no tile computes nothing); tiles and stages stay the table's choice. The interpreter
+    reads whole-tile pages by tile at any capacity, so that CI runs that path."""
     block_m = min(max(MIN_BLOCK, next_power_of_2(rows)), DECODE_MAX_BLOCK_M)
     programs = pairs * -(-rows // block_m)
-    waves = DECODE_WAVES_PAGED if page_size > 0 else DECODE_WAVES
+    wave = DECODE_WAVE_PAGED if page_size > 0 else DECODE_WAVE
     if arch == "interpreter":
         block_n, warps = _INTERPRETER_DECODE
     else:
         padded = block_d(head_dim)
-        _, block_n, warps, wide = next(row for row in _DECODE_TABLE if padded <= row[0])
+        _, block_n, warps = next(row for row in _DECODE_TABLE if padded <= row[0])
         if dtype == torch.float32:
             block_n = max(MIN_BLOCK, block_n // 2)
-        elif wide is not None and page_size <= 0 and programs <= DECODE_WAVES_WIDE[0][0] * sms:
-            (block_n, warps), waves = wide, DECODE_WAVES_WIDE
+        elif arch == "sm90" and padded == 128 and page_size <= 0 and programs <= DECODE_WAVE_WIDE.per_sm * sms:
+            (block_n, warps), wave = _DECODE_WIDE, DECODE_WAVE_WIDE
     tiles = max(1, -(-capacity // block_n))
-    splits, stages = decode_waves(programs, capacity, sms, waves)
+    splits, stages = decode_waves(programs, capacity, sms, wave)
     splits = num_splits or splits
     by_tile = tile_pages(arch, block_n, capacity, page_size)
     return DecodeConfig(block_m, block_n, warps, stages, min(splits, tiles), by_tile)
