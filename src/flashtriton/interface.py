@@ -14,7 +14,7 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 
-from . import dropout, ops
+from . import dropout, ops, tables
 from .block_mask import BlockMask, create_block_mask, mask_dims
 from .cache_args import KVCache
 from .kvcache import attention_with_kvcache
@@ -155,9 +155,7 @@ def flash_attn_func(
         return_attn_probs, q.shape[0], sinks=sinks, **masks,
     )  # fmt: skip
     if plain is not None:
-        if len(_PLAIN) >= _MAX_PLAIN:
-            _PLAIN.pop(next(iter(_PLAIN), None), None)  # the oldest (another thread may have taken it already)
-        _PLAIN[plain] = params
+        tables.put(_PLAIN, plain, params, _MAX_PLAIN)
     return _attention(q, k, v, params, return_attn_probs)
 
 

@@ -37,6 +37,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTen
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
+from . import tables
 from .kernels.triton_compat import PRIVATE_API_OK, c_launcher, tensordesc_arg
 
 
@@ -303,8 +304,5 @@ def keep(plans: dict[tuple, Plan], key: tuple | None, recorder: Recorder, limit:
     """The recorder's Plan under ``key`` in ``plans`` (the oldest evicted past ``limit``), if the call is
     replayable and has a key."""
     plan = recorder.plan()
-    if key is None or plan is None:
-        return
-    if len(plans) >= limit:
-        plans.pop(next(iter(plans), None), None)
-    plans[key] = plan
+    if key is not None and plan is not None:
+        tables.put(plans, key, plan, limit)

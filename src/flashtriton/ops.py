@@ -18,7 +18,7 @@ import torch
 from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import route, schema, torch_backend
+from . import route, schema, tables, torch_backend
 from .params import AttentionParams, final_lse, keyless_lse, lse_shape, sinks_grad
 from .validation import check_cu_seqlens, host_read
 
@@ -148,9 +148,7 @@ def _shared_zeros(x: torch.Tensor) -> torch.Tensor:
     key = x.shape, x.dtype, x.device
     zeros = _ZEROS.get(key)
     if zeros is None:
-        if len(_ZEROS) >= _MAX_ZEROS:
-            _ZEROS.pop(next(iter(_ZEROS), None), None)  # the oldest (another thread may have taken it already)
-        zeros = _ZEROS[key] = torch.zeros_like(x, memory_format=torch.contiguous_format)
+        zeros = tables.put(_ZEROS, key, torch.zeros_like(x, memory_format=torch.contiguous_format), _MAX_ZEROS)
     return zeros
 
 

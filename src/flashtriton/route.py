@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from . import tables
 from .kernels import config, triton_compat
 from .params import AttentionParams
 
@@ -228,9 +229,7 @@ def _remembered(key: tuple | None, decide) -> Route:
     if route is None:
         route = decide()
         if key is not None:
-            if len(_ROUTES) >= _MAX_ROUTES:
-                _ROUTES.pop(next(iter(_ROUTES), None), None)  # the oldest
-            _ROUTES[key] = route = replace(route, key=key)
+            route = tables.put(_ROUTES, key, replace(route, key=key), _MAX_ROUTES)
     return route
 
 
