@@ -452,8 +452,8 @@ class DecodeWave:
 # A split grid is one wave that loads every SM alike (programs of one call stream equal shares, so an SM holding one
 # more than another finishes last): 2 programs per SM at 3 stages (3 fit an H100/H200 SM at D=128); a grid already
 # past that runs unsplit at 2 stages (5 fit). A paged cache's loads wait on the block table's and take no stages: 4
-# per SM (4 fit). The wide tiles fit one program per SM. Swept by CUDA-graph replay (benchmarks/decode_tune.py
-# --sweep; DECISIONS, "Decoding"): a grid between whole counts per SM, or one past a wave, was 3-40% slower
+# per SM (4 fit). The wide tiles fit one program per SM. A grid between whole counts per SM, or one past a wave, ran
+# slower (benchmarks/decode_tune.py --sweep; DECISIONS, "Decoding")
 DECODE_WAVE = DecodeWave(per_sm=2, stages=3, unsplit_stages=2)
 DECODE_WAVE_PAGED = DecodeWave(per_sm=4, stages=2, unsplit_stages=2)
 DECODE_WAVE_WIDE = DecodeWave(per_sm=1, stages=3, unsplit_stages=3)  # taken only by grids it fits
@@ -464,8 +464,8 @@ MERGE_WARPS = 4
 # Paged caches read a tile's pages (a scalar block-table read each, one more than it holds whole: it may start inside
 # one) instead of each row's entry. Pages of a tile or more: measured faster at 32k and 128k rows, slower at 4k
 # (DECISIONS, "Decoding"); 16k, between them, is a guess. Smaller pages: faster at every length measured (pages of
-# 16 in tiles of 64: five reads), up to those five; D=64's tiles of 128 over pages of 16 (nine reads) were 3-4%
-# slower than each row's entry, which pages smaller still read too
+# 16 in tiles of 64: five reads), up to those five; nine (D=64's tiles of 128 over pages of 16) were slower than each
+# row's entry, which pages smaller still read too
 DECODE_TILE_PAGES_MIN_CAPACITY = 16384
 DECODE_TILE_PAGES_MAX_READS = 5
 INTERPRETER_SMS = 4  # the SM count the interpreter's split choice assumes (small grids of 512+ rows then split)
