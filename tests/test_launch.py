@@ -3,6 +3,7 @@ allocations and launches with a later call's tensors; on a Hopper GPU repeated c
 per-call binding, replay their plans, and reproduce the first call's results."""
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -102,6 +103,23 @@ def test_a_tensor_passed_twice_fills_its_slots_by_its_first_name():
     a, b = torch.randn(2, 3), torch.randn(2, 3)
     recorder.plan()(q=a, k=b, v=b)
     assert bound.calls == [[b, a, b]]
+
+
+def test_a_bound_launch_fills_its_slots_with_addresses_and_maps(monkeypatch):
+    """Tensors reach the C launcher as their addresses (it would otherwise query the driver about each pointer),
+    descriptors' bases as their TMA maps; the stream is the current one at each launch."""
+    streams = iter([7, 8])
+    monkeypatch.setattr(launch, "driver", SimpleNamespace(active=SimpleNamespace(
+        get_current_stream=lambda device: next(streams))))  # fmt: skip
+    launched = []
+    template = [2, 1, 1, None, "function", None, 5, None]
+    bound = launch.Bound(lambda *args: launched.append(args), template, [(5, None), (7, lambda x: ("map", x))], 0)
+    a, b = torch.randn(3), torch.randn(4)
+    bound([a, b])
+    bound([b, a])
+    assert launched == [(2, 1, 1, 7, "function", a.data_ptr(), 5, ("map", b)),
+                        (2, 1, 1, 8, "function", b.data_ptr(), 5, ("map", a))]  # fmt: skip
+    assert template == [2, 1, 1, None, "function", None, 5, None]  # each launch fills a copy
 
 
 @hopper

@@ -214,11 +214,13 @@ class Bound:
         return cls(c_launch, template, slots, device), tensors
 
     def __call__(self, tensors: list[torch.Tensor]) -> None:
-        """Launches with these tensors in the slots, in the order ``Bound.of`` returned the first call's."""
+        """Launches with these tensors in the slots, in the order ``Bound.of`` returned the first call's. A tensor
+        goes in as its address: given the tensor, the launcher would ask the driver about each pointer
+        (cuPointerGetAttribute), which the first call of the layout, through Triton, has done."""
         args = self.template.copy()
         args[3] = driver.active.get_current_stream(self.device)
         for (position, maps), x in zip(self.slots, tensors, strict=True):
-            args[position] = x if maps is None else maps(x)
+            args[position] = x.data_ptr() if maps is None else maps(x)
         self.c_launch(*args)
 
 
