@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from . import route
+from . import route, tables
 from .cache_args import KVCache
 from .kernels import config
 from .kernels.decode import append_kv_kernel, decode_combine_kernel, decode_split_kernel
@@ -25,6 +25,10 @@ _APPEND, _SPLIT, _COMBINE = map(Launcher, (append_kv_kernel, decode_split_kernel
 
 # Replayable calls by layout (_plan_key). A plan holds the decode table's choices when it was recorded.
 _PLANS: dict[tuple, Plan] = {}
+# The same plans by the signature of a plain eager call (interface._kvcache_signature), which determines all that
+# _plan_key holds: later calls with that signature replay without the checks, the route and this key (replay)
+_SIGNED: dict[tuple, Plan] = {}
+_MAX_SIGNED = 256
 _CACHE_TENSORS = tuple(f.name for f in dataclasses.fields(KVCache) if "Tensor" in str(f.type))
 
 
@@ -102,16 +106,18 @@ def forward(
     out = recorder.empty("out", q.shape, p.result_dtype(q.dtype), q.device)
     lse = recorder.empty("lse", (batch, heads, n_q), torch.float32, q.device) if p.write_lse else None
     if cfg.splits == 1:
-        o_split, lse_split, empty_lse = out, lse, p.empty_lse
+        o_split, lse_split, lse_start, empty_lse = out, lse, 0, p.empty_lse
         o_strides = (0, *out.stride()[:3])
         lse_strides = (0, *lse.stride()) if lse is not None else (0, 0, 0, 0)
     else:
-        # fp32 partials: (split, b, i, h, D) and (split, b, i, h), so that a final row's partials are one stride apart
-        o_split = recorder.empty("o_split", (cfg.splits, batch, n_q, heads, head_dim), torch.float32, q.device)
-        lse_split = recorder.empty("lse_split", (cfg.splits, batch, n_q, heads), torch.float32, q.device)
-        o_strides = o_split.stride()[:4]
-        stride_ls, stride_lb, stride_lm, stride_lh = lse_split.stride()
-        lse_strides = (stride_ls, stride_lb, stride_lh, stride_lm)
+        # fp32 partials in one allocation (one fewer per call: a decode step's host time is of the order of its
+        # kernels'): O's (split, b, i, h, D), then the LSEs' (split, b, i, h) from element lse_start, so that a
+        # final row's partials are one stride apart
+        rows_all = batch * n_q * heads
+        lse_start = cfg.splits * rows_all * head_dim
+        o_split = lse_split = recorder.empty("parts", (lse_start + cfg.splits * rows_all,), torch.float32, q.device)
+        o_strides = (rows_all * head_dim, n_q * heads * head_dim, heads * head_dim, head_dim)
+        lse_strides = (rows_all, n_q * heads, 1, heads)  # split, b, h, i
         empty_lse = -math.inf  # a partial's: it weighs nothing in the combine
     scale = p.softmax_scale
     softcap = p.softcap > 0 and scale != 0  # at scale 0 every score is 0, capped or not
@@ -119,7 +125,7 @@ def forward(
     recorder.add(_SPLIT.bind((batch * heads_k, cfg.splits, cdiv(rows, cfg.block_m)))(
         q, cache.k_cache, cache.v_cache, o_split, lse_split, cache.cache_seqlens, cache.cache_batch_idx,
         cache.cache_leftpad, p.alibi_slopes, p.sinks if cfg.splits == 1 else None,
-        *q.stride()[:3], *cache.k_cache.stride()[:3], *cache.v_cache.stride()[:3], *o_strides, *lse_strides,
+        *q.stride()[:3], *cache.k_cache.stride()[:3], *cache.v_cache.stride()[:3], *o_strides, *lse_strides, lse_start,
         N_Q=n_q, N_NEW=cache.seqlen_new, H=heads, HKV=heads_k,
         GROUP=heads // heads_k, SPLITS=cfg.splits, qk_scale=scale * LOG2E,
         softcap=scale / p.softcap if softcap else 0.0,
@@ -133,9 +139,31 @@ def forward(
     ))  # fmt: skip
     if cfg.splits > 1:
         recorder.add(_COMBINE.bind((batch * n_q * heads,))(
-            o_split, lse_split, out, lse, p.sinks, batch * n_q * heads, n_q, heads, cfg.splits, p.empty_lse,
+            o_split, out, lse, p.sinks, batch * n_q * heads, n_q, heads, cfg.splits, p.empty_lse,
             D=head_dim, BLOCK_D=config.block_d(head_dim), BLOCK_S=config.next_power_of_2(cfg.splits),
             num_warps=config.DECODE_COMBINE_WARPS,
         ))  # fmt: skip
     keep(_PLANS, key, recorder)
     return out, lse
+
+
+def sign(signature: tuple, q: torch.Tensor, cache: KVCache, p: AttentionParams, r: route.Route) -> None:
+    """Files the plan of this call, just made, under its signature, if it left one."""
+    inputs = _inputs(q, cache, p)
+    key = _plan_key(r, cache, p, inputs)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is not None:
+        tables.put(_SIGNED, signature, plan, _MAX_SIGNED)
+
+
+def replay(
+    signature: tuple, tensors: dict[str, torch.Tensor | None]
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(out, lse) of a call with that signature, replayed with these tensors (named as _inputs names them; None for
+    those not given), lse None unless the call asked for it; None where no plan has that signature or a launch hook
+    is set (a profiler's: its launches must go through Triton)."""
+    plan = _SIGNED.get(signature)
+    if plan is None or hooked():
+        return None
+    made = plan(**tensors)
+    return made["out"], made.get("lse")

@@ -150,14 +150,16 @@ def append_kv_kernel(
 
 
 @triton.jit(
-    do_not_specialize=["CAPACITY", "seqlen_ro", "N_Q", "N_NEW", "SPLITS", "window_left", "window_right", "rotary_step"]
-)
+    do_not_specialize=[
+        "CAPACITY", "seqlen_ro", "N_Q", "N_NEW", "SPLITS", "window_left", "window_right", "rotary_step", "lse_start"
+    ]
+)  # fmt: skip
 def decode_split_kernel(
     Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_BATCH_IDX, CACHE_LEFTPAD, ALIBI_SLOPES, SINKS,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_os, stride_ob, stride_om, stride_oh,
-    stride_ls, stride_lb, stride_lh, stride_lm,
+    stride_ls, stride_lb, stride_lh, stride_lm, lse_start,
     BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr, CAPACITY, ROT_COS, ROT_SIN, seqlen_ro,
     N_Q, N_NEW, H, HKV,
     GROUP, SPLITS, qk_scale, softcap, window_left, window_right, rotary_step, empty_lse,
@@ -166,7 +168,8 @@ def decode_split_kernel(
     INTERLEAVED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """rotary_step: 1 rotates query i at CACHE_SEQLENS[b] + i, 0 every query at CACHE_SEQLENS[b] (flash_attn's rule,
-    interface.py). SINKS: (H,) fp32 logits that join each row's softmax (params.py), given only with SPLITS = 1 (split
+    interface.py). LSE's entries start at its element lse_start (the partials' LSEs follow their O in one
+    allocation). SINKS: (H,) fp32 logits that join each row's softmax (params.py), given only with SPLITS = 1 (split
     partials leave them to the combine). UPCAST: products in fp32 (Triton's interpreter computes bf16 tl.dot
     wrongly)."""
     ALIBI: tl.constexpr = ALIBI_SLOPES is not None
@@ -252,22 +255,23 @@ def decode_split_kernel(
     o_ptrs = O + split * stride_os + b * stride_ob + i[:, None] * stride_om + h[:, None] * stride_oh + cols[None, :]
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < D))
     if LSE is not None:
-        tl.store(LSE + split * stride_ls + b * stride_lb + h * stride_lh + i * stride_lm, lse, mask=row_ok)
+        lse_at = LSE + lse_start + split.to(tl.int64) * stride_ls + b * stride_lb + h * stride_lh + i * stride_lm
+        tl.store(lse_at, lse, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["ROWS", "N_Q", "H", "SPLITS"])
 def decode_combine_kernel(
-    O_PART, LSE_PART, O, LSE, SINKS, ROWS, N_Q, H, SPLITS, empty_lse,
+    PARTS, O, LSE, SINKS, ROWS, N_Q, H, SPLITS, empty_lse,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
-    """Row r = (b * N_Q + i) * H + h of O (contiguous (B, N_Q, H, D)) from O_PART (SPLITS, ROWS, D) and LSE_PART
-    (SPLITS, ROWS): O = sum_s exp(LSE_s - LSE) O_s with LSE = log(sum_s exp(LSE_s) + exp(SINKS[h])) (no SINKS: no
-    term); a row empty in every split, with no sink, gets O = 0 and LSE = empty_lse."""
+    """Row r = (b * N_Q + i) * H + h of O (contiguous (B, N_Q, H, D)) from PARTS: the partials O_s (SPLITS, ROWS, D),
+    then their LSE_s (SPLITS, ROWS). O = sum_s exp(LSE_s - LSE) O_s with LSE = log(sum_s exp(LSE_s) +
+    exp(SINKS[h])) (no SINKS: no term); a row empty in every split, with no sink, gets O = 0 and LSE = empty_lse."""
     r = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, BLOCK_S)
     split_ok = splits < SPLITS
     part = splits.to(tl.int64) * ROWS + r
-    lse = tl.load(LSE_PART + part, mask=split_ok, other=float("-inf"))
+    lse = tl.load(PARTS + SPLITS.to(tl.int64) * ROWS * D + part, mask=split_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     if SINKS is not None:
         sink = tl.load(SINKS + r % H)
@@ -278,7 +282,7 @@ def decode_combine_kernel(
     if SINKS is not None:
         total += tl.math.exp2((sink - tl.where(empty, 0.0, m)) * LOG2E)
     cols = tl.arange(0, BLOCK_D)
-    o = tl.load(O_PART + part[:, None] * D + cols[None, :], mask=split_ok[:, None] & (cols[None, :] < D), other=0.0)
+    o = tl.load(PARTS + part[:, None] * D + cols[None, :], mask=split_ok[:, None] & (cols[None, :] < D), other=0.0)
     out = tl.sum(weights[:, None] * o, 0) / tl.where(empty, 1.0, total)
     tl.store(O + r * D + cols, out.to(O.dtype.element_ty), mask=cols < D)
     if LSE is not None:
