@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 import torch
 
-from flashtriton import decode_backend, flash_attn_with_kvcache, route
+from flashtriton import decode_backend, flash_attn_with_kvcache, interface, route
 from flashtriton.kernels import config
 from flashtriton.reference import rotary_reference
 from helpers import TARGETS, assert_close_to_reference, target_params
@@ -689,19 +689,91 @@ def test_cuda_graph_replays_decode_steps_with_new_lengths():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("via", ["signature", "layout"])
 @pytest.mark.parametrize("case", CASES["gpu"], ids=str)
-def test_replayed_calls_match_recorded_ones(case, monkeypatch):
-    """A second call of a layout replays the first's launches (decode_backend's plan) with its own tensors: out, LSE
-    and the caches bitwise those of the same call recorded afresh."""
+def test_replayed_calls_match_recorded_ones(case, via, monkeypatch):
+    """A second call of a layout replays the first's launches (decode_backend's plan) with its own tensors, found by
+    the API's signature of the call (a plain call: a tensor cache_seqlens, no ALiBi or sinks) or by the backend's
+    layout key: out, LSE and the caches bitwise those of the same call recorded afresh."""
     monkeypatch.setattr(decode_backend, "_PLANS", {})
+    monkeypatch.setattr(decode_backend, "_SIGNED", {})
+    if via == "layout":
+        monkeypatch.setattr(interface, "_kvcache_signature", lambda *args: None)
+    signed = int(via == "signature" and not (case.int_seqlens or case.alibi or case.sinks))
     torch.manual_seed(0)
     _call(_inputs(case, "cuda"), 0)  # records
-    assert len(decode_backend._PLANS) == 1
+    assert (len(decode_backend._PLANS), len(decode_backend._SIGNED)) == (1, signed)
     torch.manual_seed(1)
     inputs = _inputs(case, "cuda")
+    replays = []
+    replay = decode_backend.replay
+    monkeypatch.setattr(decode_backend, "replay", lambda *args: replays.append(replay(*args)) or replays[-1])
     replayed = _call(inputs, 0)
-    assert len(decode_backend._PLANS) == 1
+    assert (len(decode_backend._PLANS), len(decode_backend._SIGNED)) == (1, signed)
+    assert [made is not None for made in replays] == [True] * signed
     monkeypatch.setattr(decode_backend, "_plan_key", lambda *args: None)
+    monkeypatch.setattr(decode_backend, "_SIGNED", {})
     recorded = _call(inputs, 0)
     for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), replayed, recorded, strict=True):
         assert torch.equal(a, b), f"{name} of the replay differs"
+
+
+def _signature(inputs: Inputs, **changes):
+    """interface._kvcache_signature of _call's call, with some arguments changed."""
+    args = dict(q=inputs.q, k_cache=inputs.k_cache, v_cache=inputs.v_cache, k=inputs.k, v=inputs.v)
+    args.update({name: inputs.kwargs.get(name) for name in _SIGNED_TENSORS})
+    options = dict(softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                   alibi_slopes=None, num_splits=0, return_softmax_lse=True, sinks=None)  # fmt: skip
+    options.update({name: value for name, value in inputs.kwargs.items() if name in options})
+    for name, value in changes.items():
+        (options if name in options else args)[name] = value
+    return interface._kvcache_signature(*args.values(), tuple(options.values()))
+
+
+_SIGNED_TENSORS = ("rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table")
+
+
+def test_a_signature_holds_every_layout_and_option_and_only_plain_calls_have_one():
+    """Calls of one signature replay one plan without checks: any difference in a tensor's shape, strides, dtype,
+    alignment, device or identity with another, or in an option, must give another signature; calls whose launches
+    would see other tensors than the caller's (int cache_seqlens, made a tensor per call; copies of non-contiguous
+    index tensors), ALiBi, sinks or options of other types get none."""
+    torch.manual_seed(0)
+    case = replace(CASES["cpu"][0], rotary_dim=8, page_size=16, capacity=64, seqlens=(15, 30))
+    inputs = _inputs(case, "cpu")
+    same = _signature(_inputs(case, "cpu"))
+    assert same is not None and _signature(inputs) == same  # other tensors of the same layout
+    seqlens, table = inputs.kwargs["cache_seqlens"], inputs.kwargs["block_table"]
+    differ = {
+        "q's shape": dict(q=inputs.q[:, :, :2]),
+        "q's strides": dict(q=inputs.q.repeat_interleave(2, dim=2)[:, :, ::2]),
+        "q's dtype": dict(q=inputs.q.float()),
+        "k's alignment": dict(k=torch.empty(inputs.k.numel() + 1, dtype=inputs.k.dtype)[1:].view(inputs.k.shape)),
+        "v_cache is k_cache": dict(v_cache=inputs.k_cache),
+        "no new rows": dict(k=None, v=None),
+        "a leftpad": dict(cache_leftpad=seqlens.clone()),
+        "the table's width": dict(block_table=table[:, :2]),
+        "the table's strides": dict(block_table=table.t().contiguous().t()),
+        "causal": dict(causal=True),
+        "a window": dict(window_size=[3, 0]),
+        "softcap": dict(softcap=1.5),
+        "scale": dict(softmax_scale=0.5),
+        "neox rotary": dict(rotary_interleaved=False),
+        "splits": dict(num_splits=2),
+        "no lse": dict(return_softmax_lse=False),
+    }
+    signatures = {why: _signature(inputs, **changes) for why, changes in differ.items()}
+    for why, signature in signatures.items():
+        assert signature is not None and signature != same, why
+    assert len(set(signatures.values())) == len(signatures)
+    none = {
+        "int cache_seqlens": dict(cache_seqlens=27),
+        "strided cache_seqlens": dict(cache_seqlens=torch.zeros(4, dtype=torch.int32)[::2]),
+        "ALiBi": dict(alibi_slopes=torch.rand(case.heads)),
+        "sinks": dict(sinks=torch.zeros(case.heads)),
+        "a tensor window": dict(window_size=torch.tensor([3, 0])),
+        "an int causal": dict(causal=1),
+        "a Parameter": dict(v_cache=torch.nn.Parameter(inputs.v_cache, requires_grad=False)),
+    }
+    for why, changes in none.items():
+        assert _signature(inputs, **changes) is None, why

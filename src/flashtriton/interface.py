@@ -8,16 +8,16 @@ yet raise NotImplementedError instead of being ignored.
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
 
-from . import dropout, ops, tables
+from . import dropout, kvcache, ops, route, tables
 from .block_mask import BlockMask, create_block_mask, mask_dims
 from .cache_args import KVCache
-from .kvcache import attention_with_kvcache
 from .mods import Mod, as_mod, check_differentiable
 from .params import AttentionParams
 from .reference import attention_reference
@@ -546,6 +546,19 @@ def flash_attn_with_kvcache(
 
     Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse).
     """
+    signature = _kvcache_signature(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+        (softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
+         sinks),
+    )  # fmt: skip
+    if signature is not None:
+        made = kvcache.replay(signature, dict(
+            q=q, k_cache=k_cache, v_cache=v_cache, k_new=k, v_new=v, cache_seqlens=cache_seqlens,
+            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+            rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        ))  # fmt: skip
+        if made is not None:
+            return made if return_softmax_lse else made[0]
     capacity = check_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, num_splits
     )
@@ -568,9 +581,48 @@ def flash_attn_with_kvcache(
         _contiguous(rotary_cos), _contiguous(rotary_sin), bool(rotary_interleaved),
         rotate_rows=params.window_left >= 0 or params.window_right >= 0, num_splits=int(num_splits),
     )  # fmt: skip
-    out, lse = attention_with_kvcache(q, cache, params)
+    if signature is not None and not all(
+        getattr(cache, name) is x for name, x in zip(_CONVERTED, (block_table, rotary_cos, rotary_sin), strict=True)
+    ):
+        signature = None  # a copy reached the launches: a replay would pass the caller's tensor in its place
+    out, lse = kvcache.attention_with_kvcache(q, cache, params, signature)
     return (out, lse) if return_softmax_lse else out
 
 
 def _contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
     return x if x is None or x.is_contiguous() else x.contiguous()
+
+
+_CONVERTED = ("block_table", "rotary_cos", "rotary_sin")  # the tensors _contiguous may copy that a signature admits
+
+
+def _kvcache_signature(
+    q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+    options: tuple,
+) -> tuple | None:  # fmt: skip
+    """What a plain eager flash_attn_with_kvcache call's checks, route and launches depend on: each tensor's layout
+    (route.tensors_layout: shapes, strides, dtypes, alignment, which are one tensor) and device, the current device,
+    the backend variable, and the options (as Python values, ALiBi and sinks not given); the call's launches are kept
+    under it (kvcache.replay). None for any other call: a traced or watched one, subclasses, int or default
+    cache_seqlens (made a tensor per call), 1-D index tensors that are not contiguous (copied per call)."""
+    softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, lse, sinks = options
+    if alibi_slopes is not None or sinks is not None or type(cache_seqlens) is not torch.Tensor:
+        return None
+    if type(causal) is not bool or type(rotary_interleaved) is not bool or type(lse) is not bool:
+        return None
+    if type(num_splits) is not int or type(window_size) not in (tuple, list) or type(softcap) not in _NUMBER:
+        return None
+    if not (softmax_scale is None or type(softmax_scale) in _NUMBER) or any(type(w) is not int for w in window_size):
+        return None
+    tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+               block_table)  # fmt: skip
+    given = [x for x in tensors if x is not None]
+    if any(type(x) is not torch.Tensor for x in given) or ops.watched():
+        return None
+    if any(x is not None and x.stride(0) != 1 for x in (cache_seqlens, cache_batch_idx, cache_leftpad)):
+        return None
+    where = q.device, torch.cuda.current_device() if q.is_cuda else None, os.environ.get(route.BACKEND_ENV)
+    present = tuple(x is not None for x in tensors)
+    layout = route.tensors_layout(given), tuple(x.device for x in given)
+    options = softmax_scale, causal, tuple(window_size), softcap, rotary_interleaved, num_splits, lse
+    return present, layout, where, options

@@ -46,13 +46,29 @@ def _launchers(family: str) -> ModuleType:
     return backend
 
 
-def forward(q: torch.Tensor, cache: KVCache, p: AttentionParams) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(out, lse) of one call, lse None unless p.write_lse; k_new, v_new appended to the cache first."""
+def forward(
+    q: torch.Tensor, cache: KVCache, p: AttentionParams, signature: tuple | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out, lse) of one call, lse None unless p.write_lse; k_new, v_new appended to the cache first. signature: the
+    API's of a plain eager call (replay), under which the call's launches are kept for later calls."""
     r = route.decode(q, cache.capacity, cache.k_cache.shape[2], cache.num_splits, page_size=cache.page_size)
     if r.family == route.NONE:  # an empty batch: nothing to append or attend
         lse = q.new_full(lse_shape(q, False), p.empty_lse, dtype=torch.float32) if p.write_lse else None
         return torch.zeros_like(q, dtype=p.result_dtype(q.dtype)), lse
-    return _launchers(r.family).forward(q, cache, p, r)
+    backend = _launchers(r.family)
+    out, lse = backend.forward(q, cache, p, r)
+    if signature is not None and r.family == route.DECODE:
+        backend.sign(signature, q, cache, p, r)
+    return out, lse
+
+
+def replay(
+    signature: tuple, tensors: dict[str, torch.Tensor | None]
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(out, lse) of a plain eager call whose signature an earlier call's launches were kept under, launched again
+    with these tensors (q, KVCache's tensor fields by name, None where not given); None where none were kept."""
+    backend = _BACKENDS.get(route.DECODE)
+    return None if backend is None else backend.replay(signature, tensors)
 
 
 def _op(q, *values):
@@ -75,15 +91,15 @@ attention_with_kvcache_op.register_fake(_fake)
 
 
 def attention_with_kvcache(
-    q: torch.Tensor, cache: KVCache, params: AttentionParams
+    q: torch.Tensor, cache: KVCache, params: AttentionParams, signature: tuple | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, lse), lse None unless params.write_lse; k_new, v_new written into the cache in place. No gradient.
 
     Anything that watches or records ops (torch.compile, a dispatch mode, tensor subclasses) goes through the
-    custom op; plain eager tensors skip its dispatch."""
+    custom op; plain eager tensors skip its dispatch (signature: forward's)."""
     tensors = (q, cache.k_cache, cache.v_cache)
     if watched(*tensors):
         values = [getattr(cache, name) for name in _CACHE_FIELDS]
         out, lse = attention_with_kvcache_op(q, *values, *schema.to_schema(params))
         return out, lse if params.write_lse else None
-    return forward(q, cache, params)
+    return forward(q, cache, params, signature)
