@@ -47,7 +47,8 @@ def _config(arch, head_dim, dtype, rows, pairs, capacity, sms, num_splits, page_
     block_n, warps, stages, splits = _forced["config"]
     splits = max(1, min(splits, -(-capacity // block_n)))
     by_tile = config.tile_pages(arch, block_n, capacity, page_size)
-    return config.DecodeConfig(chosen.block_m, block_n, warps, stages, splits, by_tile)
+    registers = config.wave_registers(config.DECODE_WAVE_PAGED if page_size > 0 else config.DECODE_WAVE, warps)
+    return config.DecodeConfig(chosen.block_m, block_n, warps, stages, splits, by_tile, registers)
 
 
 def _force(value: tuple | None) -> None:

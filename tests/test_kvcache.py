@@ -455,6 +455,8 @@ def test_route_decides_the_decode_family_and_splits():
         assert c.splits == 1 or programs * c.splits <= per_sm * 132, case
         assert capped or programs > per_sm * 132 or programs * (c.splits + 1) > per_sm * 132, case
         assert programs <= per_sm * 132 or c.splits == 1, case
+        # per_sm programs fit an SM's 64K registers together: capped where that is under a thread's 255
+        assert c.max_registers == (128 if paged else None), case
     for head_dim, block_n in ((64, 128), (96, 128), (256, 32)):  # wide only where D pads to 128
         c = route.decode(q.new_empty(2, 1, 32, head_dim), 8192, 8, 0, gpu="sm90", sms=132).config
         assert c.block_n == block_n, head_dim

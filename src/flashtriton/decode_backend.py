@@ -135,7 +135,8 @@ def forward(
         LEFT=p.window_left != NO_BOUND, RIGHT=p.window_right != NO_BOUND, SOFTCAP=softcap,
         UPCAST=q.dtype == torch.bfloat16 and route.interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pages(cache, cfg), **_rotary(cache),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_registers, **_pages(cache, cfg),
+        **_rotary(cache),
     ))  # fmt: skip
     if cfg.splits > 1:
         recorder.add(_COMBINE.bind((batch * n_q * heads,))(

@@ -432,6 +432,7 @@ class DecodeConfig:
     num_stages: int
     splits: int  # programs sharing one (sequence, K/V head)'s keys; 1: one pass, no combine
     tile_pages: bool = False  # paged: a tile's pages by scalar block-table reads, not a read per row (decode.py)
+    max_registers: int | None = None  # the split kernel's registers per thread (maxnreg); None: the compiler's choice
 
 
 DECODE_MAX_BLOCK_M = 64  # packed rows per program; a call with more (long seqlen_q x GROUP) runs several row tiles
@@ -451,13 +452,16 @@ class DecodeWave:
 
 # A split grid is one wave that loads every SM alike (programs of one call stream equal shares, so an SM holding one
 # more than another finishes last): 2 programs per SM at 3 stages (3 fit an H100/H200 SM at D=128); a grid already
-# past that runs unsplit at 2 stages (5 fit). A paged cache's loads wait on the block table's and take no stages: 4
-# per SM (4 fit). The wide tiles fit one program per SM. A grid between whole counts per SM, or one past a wave, ran
+# past that runs unsplit at 2 stages (5 fit). A paged cache's loads wait on the block table's and gain little from
+# stages: 4 per SM at 2 (4 fit, at most 128 registers each: wave_registers; 1 stage ran slower). The wide tiles fit
+# one program per SM. A grid between whole counts per SM, or one past a wave, ran
 # slower (benchmarks/decode_tune.py --sweep; DECISIONS, "Decoding")
 DECODE_WAVE = DecodeWave(per_sm=2, stages=3, unsplit_stages=2)
 DECODE_WAVE_PAGED = DecodeWave(per_sm=4, stages=2, unsplit_stages=2)
 DECODE_WAVE_WIDE = DecodeWave(per_sm=1, stages=3, unsplit_stages=3)  # taken only by grids it fits
 DECODE_COMBINE_WARPS = 4
+SM_REGISTERS = 65536  # 32-bit registers of an SM (every CUDA GPU from sm_50 on)
+MAX_REGISTERS = 255  # of a thread
 # The ring's merges (kernels/merge.py): elementwise passes over fp32 rows, a program's tile of this many elements
 MERGE_TILE_ELEMENTS = 4096
 MERGE_WARPS = 4
@@ -519,7 +523,14 @@ def decode_config(
     splits, stages = decode_waves(programs, capacity, sms, wave)
     splits = num_splits or splits
     by_tile = tile_pages(arch, block_n, capacity, page_size)
-    return DecodeConfig(block_m, block_n, warps, stages, min(splits, tiles), by_tile)
+    return DecodeConfig(block_m, block_n, warps, stages, min(splits, tiles), by_tile, wave_registers(wave, warps))
+
+
+def wave_registers(wave: DecodeWave, num_warps: int) -> int | None:
+    """Registers per thread that let wave.per_sm programs share an SM (a paged causal split kernel took 160: 3 per
+    SM, its grid two waves); None where that is the most a thread has anyway (a cap of 255 made ptxas spend them)."""
+    registers = SM_REGISTERS // (wave.per_sm * num_warps * 32)
+    return registers if registers < MAX_REGISTERS else None
 
 
 def tile_pages(arch: str, block_n: int, capacity: int, page_size: int) -> bool:
