@@ -47,7 +47,7 @@ def _config(arch, head_dim, dtype, rows, pairs, capacity, sms, num_splits, page_
     block_n, warps, stages, splits = _forced["config"]
     splits = max(1, min(splits, -(-capacity // block_n)))
     by_tile = config.tile_pages(arch, block_n, capacity, page_size)
-    registers = config.wave_registers(config.DECODE_WAVE_PAGED if page_size > 0 else config.DECODE_WAVE, warps)
+    registers = chosen.max_registers if warps == chosen.num_warps else None  # the table's cap holds for its warps
     return config.DecodeConfig(chosen.block_m, block_n, warps, stages, splits, by_tile, registers)
 
 
@@ -57,6 +57,7 @@ def _force(value: tuple | None) -> None:
         _forced["config"] = value
     route._ROUTES.clear()  # routes and plans hold the config they were made with
     decode_backend._PLANS.clear()
+    decode_backend._SIGNED.clear()
 
 
 def graph_us(fn, inputs: int) -> float:

@@ -565,6 +565,18 @@ ERRORS = {
         "one per sequence",
     ),
     "seqlens-float": (lambda q, kc, vc: (q, kc, vc), {"cache_seqlens": 2.0}, TypeError, "an int or"),
+    "seqlens-0-d": (
+        lambda q, kc, vc: (q, kc, vc),
+        {"cache_seqlens": torch.tensor(3, dtype=torch.int32)},
+        ValueError,
+        "must have 1 dims",
+    ),
+    "leftpad-0-d": (
+        lambda q, kc, vc: (q, kc, vc),
+        {"cache_seqlens": 3, "cache_leftpad": torch.tensor(1).int()},
+        ValueError,
+        "must have 1 dims",
+    ),
     "block-table-empty": (
         lambda q, kc, vc: (q, kc, vc),
         {"block_table": torch.zeros(2, 0, dtype=torch.int32), "cache_seqlens": 0},
@@ -735,7 +747,7 @@ def _signature(inputs: Inputs, **changes):
 _SIGNED_TENSORS = ("rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table")
 
 
-def test_a_signature_holds_every_layout_and_option_and_only_plain_calls_have_one():
+def test_a_signature_holds_every_layout_and_option_and_only_plain_calls_have_one(monkeypatch):
     """Calls of one signature replay one plan without checks: any difference in a tensor's shape, strides, dtype,
     alignment, device or identity with another, or in an option, must give another signature; calls whose launches
     would see other tensors than the caller's (int cache_seqlens, made a tensor per call; copies of non-contiguous
@@ -754,8 +766,7 @@ def test_a_signature_holds_every_layout_and_option_and_only_plain_calls_have_one
         "v_cache is k_cache": dict(v_cache=inputs.k_cache),
         "no new rows": dict(k=None, v=None),
         "a leftpad": dict(cache_leftpad=seqlens.clone()),
-        "the table's width": dict(block_table=table[:, :2]),
-        "the table's strides": dict(block_table=table.t().contiguous().t()),
+        "the table's width": dict(block_table=table[:, :2].contiguous()),
         "causal": dict(causal=True),
         "a window": dict(window_size=[3, 0]),
         "softcap": dict(softcap=1.5),
@@ -771,6 +782,8 @@ def test_a_signature_holds_every_layout_and_option_and_only_plain_calls_have_one
     none = {
         "int cache_seqlens": dict(cache_seqlens=27),
         "strided cache_seqlens": dict(cache_seqlens=torch.zeros(4, dtype=torch.int32)[::2]),
+        "a strided table": dict(block_table=table.t().contiguous().t()),  # copied per call: the replay would not be
+        "strided rotary": dict(rotary_cos=inputs.kwargs["rotary_cos"][::2]),
         "ALiBi": dict(alibi_slopes=torch.rand(case.heads)),
         "sinks": dict(sinks=torch.zeros(case.heads)),
         "a tensor window": dict(window_size=torch.tensor([3, 0])),
@@ -779,3 +792,5 @@ def test_a_signature_holds_every_layout_and_option_and_only_plain_calls_have_one
     }
     for why, changes in none.items():
         assert _signature(inputs, **changes) is None, why
+    monkeypatch.setenv(route.BACKEND_ENV, "torch")  # another backend may take the call
+    assert _signature(inputs) not in (None, same)

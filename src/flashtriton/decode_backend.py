@@ -23,10 +23,12 @@ from .params import NO_BOUND, AttentionParams
 # launch.Launcher skips Triton's per-call argument binding: most of a decode step's host time otherwise
 _APPEND, _SPLIT, _COMBINE = map(Launcher, (append_kv_kernel, decode_split_kernel, decode_combine_kernel))
 
-# Replayable calls by layout (_plan_key). A plan holds the decode table's choices when it was recorded.
+# Replayable calls by layout (_plan_key). A plan holds the decode table's choices when it was recorded: a sweep that
+# changes them at run time must clear _PLANS, _SIGNED and route._ROUTES.
 _PLANS: dict[tuple, Plan] = {}
 # The same plans by the signature of a plain eager call (interface._kvcache_signature), which determines all that
-# _plan_key holds: later calls with that signature replay without the checks, the route and this key (replay)
+# _plan_key holds while the tables stand: later calls with that signature replay without the checks, the route and
+# this key (replay)
 _SIGNED: dict[tuple, Plan] = {}
 _MAX_SIGNED = 256
 _CACHE_TENSORS = tuple(f.name for f in dataclasses.fields(KVCache) if "Tensor" in str(f.type))
@@ -140,7 +142,7 @@ def forward(
     ))  # fmt: skip
     if cfg.splits > 1:
         recorder.add(_COMBINE.bind((batch * n_q * heads,))(
-            o_split, out, lse, p.sinks, batch * n_q * heads, n_q, heads, cfg.splits, p.empty_lse,
+            o_split, out, lse, p.sinks, rows_all, n_q, heads, cfg.splits, p.empty_lse,
             D=head_dim, BLOCK_D=config.block_d(head_dim), BLOCK_S=config.next_power_of_2(cfg.splits),
             num_warps=config.DECODE_COMBINE_WARPS,
         ))  # fmt: skip

@@ -176,17 +176,21 @@ def _plain_key(
         return None  # (subclasses: fake and functional tensors, which a trace hands over)
     if score_mod is not None or sinks is not None or learnable_sink is not None:
         return None
-    if type(causal) is not bool or type(window_size) not in (tuple, list):
-        return None
-    if type(dropout_p) not in _NUMBER or dropout_p != 0 or type(softcap) not in _NUMBER:
-        return None
-    if not (softmax_scale is None or type(softmax_scale) in _NUMBER) or any(type(w) is not int for w in window_size):
+    if not _plain_options(softmax_scale, causal, window_size, softcap) or type(dropout_p) not in _NUMBER or dropout_p:
         return None
     if _autocasting(q.device.type):
         return None
     grads = torch.is_grad_enabled() and (q.requires_grad, k.requires_grad, v.requires_grad)
     return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, softmax_scale,
             causal, tuple(window_size), softcap, bool(deterministic), bool(return_attn_probs), grads)  # fmt: skip
+
+
+def _plain_options(softmax_scale, causal, window_size, softcap) -> bool:
+    """Whether these options are Python values of the types a cached call's key compares as the checks read them:
+    a bool causal, window_size a tuple or list of ints, numbers (None: the default scale)."""
+    if type(causal) is not bool or type(window_size) not in (tuple, list) or type(softcap) not in _NUMBER:
+        return False
+    return (softmax_scale is None or type(softmax_scale) in _NUMBER) and all(type(w) is int for w in window_size)
 
 
 def _one_sink(sinks: torch.Tensor | None, learnable_sink: torch.Tensor | None) -> torch.Tensor | None:
@@ -581,19 +585,12 @@ def flash_attn_with_kvcache(
         _contiguous(rotary_cos), _contiguous(rotary_sin), bool(rotary_interleaved),
         rotate_rows=params.window_left >= 0 or params.window_right >= 0, num_splits=int(num_splits),
     )  # fmt: skip
-    if signature is not None and not all(
-        getattr(cache, name) is x for name, x in zip(_CONVERTED, (block_table, rotary_cos, rotary_sin), strict=True)
-    ):
-        signature = None  # a copy reached the launches: a replay would pass the caller's tensor in its place
     out, lse = kvcache.attention_with_kvcache(q, cache, params, signature)
     return (out, lse) if return_softmax_lse else out
 
 
 def _contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
     return x if x is None or x.is_contiguous() else x.contiguous()
-
-
-_CONVERTED = ("block_table", "rotary_cos", "rotary_sin")  # the tensors _contiguous may copy that a signature admits
 
 
 def _kvcache_signature(
@@ -603,26 +600,26 @@ def _kvcache_signature(
     """What a plain eager flash_attn_with_kvcache call's checks, route and launches depend on: each tensor's layout
     (route.tensors_layout: shapes, strides, dtypes, alignment, which are one tensor) and device, the current device,
     the backend variable, and the options (as Python values, ALiBi and sinks not given); the call's launches are kept
-    under it (kvcache.replay). None for any other call: a traced or watched one, subclasses, int or default
-    cache_seqlens (made a tensor per call), 1-D index tensors that are not contiguous (copied per call)."""
+    under it (kvcache.replay). None for any other call: a traced or watched one, subclasses, an int or default
+    cache_seqlens (made a tensor per call), index or rotary tensors that are not contiguous (copied per call: a
+    replay would pass the caller's in the copy's place)."""
     softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, lse, sinks = options
     if alibi_slopes is not None or sinks is not None or type(cache_seqlens) is not torch.Tensor:
         return None
-    if type(causal) is not bool or type(rotary_interleaved) is not bool or type(lse) is not bool:
+    if not _plain_options(softmax_scale, causal, window_size, softcap):
         return None
-    if type(num_splits) is not int or type(window_size) not in (tuple, list) or type(softcap) not in _NUMBER:
-        return None
-    if not (softmax_scale is None or type(softmax_scale) in _NUMBER) or any(type(w) is not int for w in window_size):
+    if type(rotary_interleaved) is not bool or type(lse) is not bool or type(num_splits) is not int:
         return None
     tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                block_table)  # fmt: skip
     given = [x for x in tensors if x is not None]
     if any(type(x) is not torch.Tensor for x in given) or ops.watched():
         return None
-    if any(x is not None and x.stride(0) != 1 for x in (cache_seqlens, cache_batch_idx, cache_leftpad)):
+    copied = (rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table)  # by _contiguous
+    if not all(x is None or x.is_contiguous() for x in copied):
         return None
-    where = q.device, torch.cuda.current_device() if q.is_cuda else None, os.environ.get(route.BACKEND_ENV)
+    where = torch.cuda.current_device() if q.is_cuda else None, os.environ.get(route.BACKEND_ENV)
     present = tuple(x is not None for x in tensors)
     layout = route.tensors_layout(given), tuple(x.device for x in given)
-    options = softmax_scale, causal, tuple(window_size), softcap, rotary_interleaved, num_splits, lse
-    return present, layout, where, options
+    values = softmax_scale, causal, tuple(window_size), softcap, rotary_interleaved, num_splits, lse
+    return present, layout, where, values

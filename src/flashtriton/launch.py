@@ -215,8 +215,9 @@ class Bound:
 
     def __call__(self, tensors: list[torch.Tensor]) -> None:
         """Launches with these tensors in the slots, in the order ``Bound.of`` returned the first call's. A tensor
-        goes in as its address: given the tensor, the launcher would ask the driver about each pointer
-        (cuPointerGetAttribute), which the first call of the layout, through Triton, has done."""
+        goes in as its address: given the tensor, the launcher would also ask the driver whether the GPU can read
+        it (cuPointerGetAttribute), which the plan's key (the devices, through the layout the checks passed) already
+        answers."""
         args = self.template.copy()
         args[3] = driver.active.get_current_stream(self.device)
         for (position, maps), x in zip(self.slots, tensors, strict=True):

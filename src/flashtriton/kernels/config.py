@@ -453,7 +453,7 @@ class DecodeWave:
 # A split grid is one wave that loads every SM alike (programs of one call stream equal shares, so an SM holding one
 # more than another finishes last): 2 programs per SM at 3 stages (3 fit an H100/H200 SM at D=128); a grid already
 # past that runs unsplit at 2 stages (5 fit). A paged cache's loads wait on the block table's and gain little from
-# stages: 4 per SM at 2 (4 fit, at most 128 registers each: wave_registers; 1 stage ran slower). The wide tiles fit
+# stages: 4 per SM at 2 (4 fit, at most 128 registers each: wave_registers; 1 stage was slower). The wide tiles fit
 # one program per SM. A grid between whole counts per SM, or one past a wave, ran
 # slower (benchmarks/decode_tune.py --sweep; DECISIONS, "Decoding")
 DECODE_WAVE = DecodeWave(per_sm=2, stages=3, unsplit_stages=2)
@@ -527,8 +527,9 @@ def decode_config(
 
 
 def wave_registers(wave: DecodeWave, num_warps: int) -> int | None:
-    """Registers per thread that let wave.per_sm programs share an SM (a paged causal split kernel took 160: 3 per
-    SM, its grid two waves); None where that is the most a thread has anyway (a cap of 255 made ptxas spend them)."""
+    """Registers per thread that let wave.per_sm programs share an SM (a kernel over the cap fits fewer, and the
+    wave's grid then runs in two); None where that is the most a thread has anyway (asked for 255, ptxas takes far
+    more than it needs: DECISIONS, "Decoding")."""
     registers = SM_REGISTERS // (wave.per_sm * num_warps * 32)
     return registers if registers < MAX_REGISTERS else None
 
