@@ -457,9 +457,22 @@ def test_route_decides_the_decode_family_and_splits():
         assert programs <= per_sm * 132 or c.splits == 1, case
         # per_sm programs fit an SM's 64K registers together: capped where that is under a thread's 255
         assert c.max_registers == (128 if paged else None), case
-    for head_dim, block_n in ((64, 128), (96, 128), (256, 32)):  # wide only where D pads to 128
+    for head_dim, block_n in ((64, 128), (96, 128), (256, 32)):  # wide for small grids only where D pads to 128
         c = route.decode(q.new_empty(2, 1, 32, head_dim), 8192, 8, 0, gpu="sm90", sms=132).config
         assert c.block_n == block_n, head_dim
+    # D=64: wide (256-row) tiles for grids past 2 per SM over long contiguous caches, on Hopper alone, split into
+    # waves of one program per SM that keep 95% of the SMs busy: 512 programs are 3.88 waves, 448 are 3.39 (split in
+    # two: 6.79), 320 are 2.42 (4.85)
+    for batch, capacity, paged, gpu, splits in (
+        (64, 32768, 0, "sm90", 1), (56, 32768, 0, "sm90", 2), (40, 131072, 0, "sm90", 2), (48, 32768, 0, "sm90", 1),
+        (64, 16384, 0, "sm90", 0), (64, 32768, 16, "sm90", 0), (64, 32768, 0, "cuda", 0), (16, 131072, 0, "sm90", 0),
+    ):  # fmt: skip
+        many = q.new_empty(batch, 1, 32, 64)
+        c = route.decode(many, capacity, 8, 0, gpu=gpu, sms=132, page_size=paged).config
+        wide = (c.block_n, c.num_warps, c.num_stages, c.max_registers) == (256, 8, 3, None)
+        assert (wide, c.splits if wide else 0) == (splits > 0, splits), (batch, capacity, paged, gpu)
+    assert config.full_waves(133, 300, 132) == 1  # a split needs DECODE_MIN_SPLIT_KEYS rows
+    assert config.full_waves(133, 2**20, 132) == 4  # none reaches the fill: the fullest (532 of 660)
     fp32 = route.decode(q.new_empty(2, 1, 32, 128, dtype=torch.float32), 8192, 8, 0, gpu="sm90", sms=132).config
     assert (fp32.block_n, fp32.num_warps) == (32, 4)  # no wide tiles: fp32 halves the table's
     # a short cache: no split below config.DECODE_MIN_SPLIT_KEYS rows; a caller's count capped at the cache's tiles

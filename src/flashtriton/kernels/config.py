@@ -458,7 +458,7 @@ class DecodeWave:
 # slower (benchmarks/decode_tune.py --sweep; DECISIONS, "Decoding")
 DECODE_WAVE = DecodeWave(per_sm=2, stages=3, unsplit_stages=2)
 DECODE_WAVE_PAGED = DecodeWave(per_sm=4, stages=2, unsplit_stages=2)
-DECODE_WAVE_WIDE = DecodeWave(per_sm=1, stages=3, unsplit_stages=3)  # taken only by grids it fits
+DECODE_WAVE_WIDE = DecodeWave(per_sm=1, stages=3, unsplit_stages=3)  # wide tiles: _wide_tiles
 DECODE_COMBINE_WARPS = 4
 SM_REGISTERS = 65536  # 32-bit registers of an SM (every CUDA GPU from sm_50 on)
 MAX_REGISTERS = 255  # of a thread
@@ -475,9 +475,14 @@ DECODE_TILE_PAGES_MAX_READS = 5
 INTERPRETER_SMS = 4  # the SM count the interpreter's split choice assumes (small grids of 512+ rows then split)
 # (max head dim, block_n, num_warps) for 2-byte dtypes on CUDA GPUs, 16 KB K and V tiles each; fp32 halves block_n
 _DECODE_TABLE = ((64, 128, 4), (128, 64, 4), (256, 32, 4))
-# Hopper, head dims padded to 128, 2-byte dtypes, contiguous caches whose unsplit grid fits DECODE_WAVE_WIDE: 32 KB
-# tiles (block_n, num_warps), one program per SM (measured at D=128; other GPUs have too little shared memory)
-_DECODE_WIDE = (128, 8)
+# Hopper, 2-byte dtypes, contiguous caches: 32 KB K/V tiles (block_n, num_warps by padded head dim), one program per
+# SM at 3 stages (128 KB or more of shared memory, more than other GPUs' blocks get). At D=128 where the unsplit grid
+# fits one program per SM; at D=64 for grids past DECODE_WAVE's over caches of DECODE_WIDE_MIN_CAPACITY rows or more
+# (measured faster at 32k and 128k rows, slower at 4k; between them untested), split into waves of which at least
+# DECODE_WIDE_FILL of the SMs work (full_waves); _wide_tiles
+_DECODE_WIDE = {128: (128, 8), 64: (256, 8)}
+DECODE_WIDE_MIN_CAPACITY = 32768
+DECODE_WIDE_FILL = 0.95
 _INTERPRETER_DECODE = (16, 1)  # block_n, num_warps
 
 
@@ -517,13 +522,33 @@ def decode_config(
         _, block_n, warps = next(row for row in _DECODE_TABLE if padded <= row[0])
         if dtype == torch.float32:
             block_n = max(MIN_BLOCK, block_n // 2)
-        elif arch == "sm90" and padded == 128 and page_size <= 0 and programs <= DECODE_WAVE_WIDE.per_sm * sms:
-            (block_n, warps), wave = _DECODE_WIDE, DECODE_WAVE_WIDE
+        elif arch == "sm90" and page_size <= 0 and _wide_tiles(padded, programs, capacity, sms):
+            (block_n, warps), wave = _DECODE_WIDE[padded], DECODE_WAVE_WIDE
     tiles = max(1, -(-capacity // block_n))
     splits, stages = decode_waves(programs, capacity, sms, wave)
+    if wave is DECODE_WAVE_WIDE and programs > wave.per_sm * sms:  # D=64's wide tiles, past one wave
+        splits = full_waves(programs, capacity, sms)
     splits = num_splits or splits
     by_tile = tile_pages(arch, block_n, capacity, page_size)
     return DecodeConfig(block_m, block_n, warps, stages, min(splits, tiles), by_tile, wave_registers(wave, warps))
+
+
+def _wide_tiles(padded: int, programs: int, capacity: int, sms: int) -> bool:
+    """Whether a contiguous cache's 2-byte call on Hopper takes the wide tiles (_DECODE_WIDE): at D=128 a grid of
+    one program per SM at most (split to one wave of them), at D=64 a grid past DECODE_WAVE's (unsplit) over a long
+    cache."""
+    if padded == 128:
+        return programs <= DECODE_WAVE_WIDE.per_sm * sms
+    return padded == 64 and programs > DECODE_WAVE.per_sm * sms and capacity >= DECODE_WIDE_MIN_CAPACITY
+
+
+def full_waves(programs: int, capacity: int, sms: int, most: int = 4) -> int:
+    """Splits of a grid of ``programs`` (one per SM at a time) whose last wave keeps DECODE_WIDE_FILL of the SMs
+    busy: the fewest up to ``most`` (and DECODE_MIN_SPLIT_KEYS rows each), else the one whose waves are fullest (a
+    grid of 3.4 waves runs as long as one of 4)."""
+    counts = range(1, max(1, min(most, capacity // DECODE_MIN_SPLIT_KEYS)) + 1)
+    fill = {s: programs * s / (-(-programs * s // sms) * sms) for s in counts}
+    return next((s for s in counts if fill[s] >= DECODE_WIDE_FILL), max(counts, key=fill.__getitem__))
 
 
 def wave_registers(wave: DecodeWave, num_warps: int) -> int | None:
