@@ -471,8 +471,8 @@ def test_route_decides_the_decode_family_and_splits():
         c = route.decode(many, capacity, 8, 0, gpu=gpu, sms=132, page_size=paged).config
         wide = (c.block_n, c.num_warps, c.num_stages, c.max_registers) == (256, 8, 3, None)
         assert (wide, c.splits if wide else 0) == (splits > 0, splits), (batch, capacity, paged, gpu)
-    assert config.full_waves(133, 300, 132) == 1  # a split needs DECODE_MIN_SPLIT_KEYS rows
-    assert config.full_waves(133, 2**20, 132) == 4  # none reaches the fill: the fullest (532 of 660)
+    assert config.full_waves(133, 300, 132, 0.95) == 1  # a split needs DECODE_MIN_SPLIT_KEYS rows
+    assert config.full_waves(133, 2**20, 132, 0.95) == 4  # none reaches the fill: the fullest (532 of 660)
     fp32 = route.decode(q.new_empty(2, 1, 32, 128, dtype=torch.float32), 8192, 8, 0, gpu="sm90", sms=132).config
     assert (fp32.block_n, fp32.num_warps) == (32, 4)  # no wide tiles: fp32 halves the table's
     # a short cache: no split below config.DECODE_MIN_SPLIT_KEYS rows; a caller's count capped at the cache's tiles

@@ -443,11 +443,13 @@ DECODE_MIN_SPLIT_KEYS = 256  # cache rows per split at least: each split costs a
 @dataclass(frozen=True)
 class DecodeWave:
     """How a split grid fills the SMs: a grid of up to per_sm unsplit programs per SM is split until it holds per_sm
-    per SM, at ``stages`` pipeline stages; a larger one runs unsplit, at ``unsplit_stages``."""
+    per SM, at ``stages`` pipeline stages; a larger one runs at ``unsplit_stages``, unsplit, or with ``fill`` split
+    into waves that keep that share of the SMs busy (full_waves)."""
 
     per_sm: int
     stages: int
     unsplit_stages: int
+    fill: float | None = None
 
 
 # A split grid is one wave that loads every SM alike (programs of one call stream equal shares, so an SM holding one
@@ -458,7 +460,7 @@ class DecodeWave:
 # slower (benchmarks/decode_tune.py --sweep; DECISIONS, "Decoding")
 DECODE_WAVE = DecodeWave(per_sm=2, stages=3, unsplit_stages=2)
 DECODE_WAVE_PAGED = DecodeWave(per_sm=4, stages=2, unsplit_stages=2)
-DECODE_WAVE_WIDE = DecodeWave(per_sm=1, stages=3, unsplit_stages=3)  # wide tiles: _wide_tiles
+DECODE_WAVE_WIDE = DecodeWave(per_sm=1, stages=3, unsplit_stages=3, fill=0.95)  # wide tiles: _wide_tiles
 DECODE_COMBINE_WARPS = 4
 SM_REGISTERS = 65536  # 32-bit registers of an SM (every CUDA GPU from sm_50 on)
 MAX_REGISTERS = 255  # of a thread
@@ -479,19 +481,20 @@ _DECODE_TABLE = ((64, 128, 4), (128, 64, 4), (256, 32, 4))
 # SM at 3 stages (128 KB or more of shared memory, more than other GPUs' blocks get). At D=128 where the unsplit grid
 # fits one program per SM; at D=64 for grids past DECODE_WAVE's over caches of DECODE_WIDE_MIN_CAPACITY rows or more
 # (measured faster at 32k and 128k rows, slower at 4k; between them untested), split into waves of which at least
-# DECODE_WIDE_FILL of the SMs work (full_waves); _wide_tiles
+# DECODE_WAVE_WIDE.fill of the SMs work (full_waves); _wide_tiles
 _DECODE_WIDE = {128: (128, 8), 64: (256, 8)}
 DECODE_WIDE_MIN_CAPACITY = 32768
-DECODE_WIDE_FILL = 0.95
 _INTERPRETER_DECODE = (16, 1)  # block_n, num_warps
 
 
 def decode_waves(programs: int, capacity: int, sms: int, wave: DecodeWave) -> tuple[int, int]:
     """(splits, num_stages) for a grid of ``programs`` unsplit programs over caches of ``capacity`` rows: split to
-    at most wave.per_sm programs per SM, no more than DECODE_MIN_SPLIT_KEYS rows each allow; unsplit where the grid
-    already passes that. From shapes alone: the lengths are device values."""
-    if programs > wave.per_sm * sms:
-        return 1, wave.unsplit_stages
+    at most wave.per_sm programs per SM, no more than DECODE_MIN_SPLIT_KEYS rows each allow; where the grid already
+    passes that, unsplit or (wave.fill) in full waves. From shapes alone: the lengths are device values."""
+    slots = wave.per_sm * sms
+    if programs > slots:
+        splits = 1 if wave.fill is None else full_waves(programs, capacity, slots, wave.fill)
+        return splits, wave.unsplit_stages
     splits = max(1, min(wave.per_sm * sms // programs, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
     return splits, wave.stages
 
@@ -526,8 +529,6 @@ def decode_config(
             (block_n, warps), wave = _DECODE_WIDE[padded], DECODE_WAVE_WIDE
     tiles = max(1, -(-capacity // block_n))
     splits, stages = decode_waves(programs, capacity, sms, wave)
-    if wave is DECODE_WAVE_WIDE and programs > wave.per_sm * sms:  # D=64's wide tiles, past one wave
-        splits = full_waves(programs, capacity, sms)
     splits = num_splits or splits
     by_tile = tile_pages(arch, block_n, capacity, page_size)
     return DecodeConfig(block_m, block_n, warps, stages, min(splits, tiles), by_tile, wave_registers(wave, warps))
@@ -542,13 +543,13 @@ def _wide_tiles(padded: int, programs: int, capacity: int, sms: int) -> bool:
     return padded == 64 and programs > DECODE_WAVE.per_sm * sms and capacity >= DECODE_WIDE_MIN_CAPACITY
 
 
-def full_waves(programs: int, capacity: int, sms: int, most: int = 4) -> int:
-    """Splits of a grid of ``programs`` (one per SM at a time) whose last wave keeps DECODE_WIDE_FILL of the SMs
+def full_waves(programs: int, capacity: int, slots: int, fill: float, most: int = 4) -> int:
+    """Splits of a grid of ``programs`` on ``slots`` programs at a time whose last wave keeps ``fill`` of the slots
     busy: the fewest up to ``most`` (and DECODE_MIN_SPLIT_KEYS rows each), else the one whose waves are fullest (a
     grid of 3.4 waves runs as long as one of 4)."""
     counts = range(1, max(1, min(most, capacity // DECODE_MIN_SPLIT_KEYS)) + 1)
-    fill = {s: programs * s / (-(-programs * s // sms) * sms) for s in counts}
-    return next((s for s in counts if fill[s] >= DECODE_WIDE_FILL), max(counts, key=fill.__getitem__))
+    busy = {s: programs * s / (-(-programs * s // slots) * slots) for s in counts}
+    return next((s for s in counts if busy[s] >= fill), max(counts, key=busy.__getitem__))
 
 
 def wave_registers(wave: DecodeWave, num_warps: int) -> int | None:
