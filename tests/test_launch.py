@@ -122,6 +122,47 @@ def test_a_bound_launch_fills_its_slots_with_addresses_and_maps(monkeypatch):
     assert template == [2, 1, 1, None, "function", None, 5, None]  # each launch fills a copy
 
 
+class _Compiled:
+    """Stands for a compiled kernel: its registers per thread, and the launches it was given."""
+
+    def __init__(self, n_regs: int):
+        self.n_regs, self.function, self.packed_metadata, self.launches = n_regs, None, None, []
+
+    def _init_handles(self):
+        pass
+
+    def run(self, *args):
+        self.launches.append(args)
+
+
+class _Kernel:
+    """Stands for a JITFunction with one tensor argument, which takes ``need`` registers without a cap."""
+
+    def __init__(self, need: int):
+        self.arg_names, self.params = ["x"], [SimpleNamespace(name="x", is_constexpr=False, has_default=False)]
+        self.need, self.compiles = need, []
+
+    def run(self, *args, grid, warmup, maxnreg=None):
+        self.compiles.append((warmup, maxnreg))
+        return _Compiled(self.need if maxnreg is None else min(self.need, maxnreg))
+
+
+@pytest.mark.parametrize("need,cap", [(114, None), (128, None), (160, 128)])
+def test_a_register_cap_holds_only_where_the_kernel_takes_more(need, cap, monkeypatch):
+    monkeypatch.setattr(launch, "driver", SimpleNamespace(active=SimpleNamespace(
+        get_current_device=lambda: 0, get_current_stream=lambda device: 0)))  # fmt: skip
+    kernel = _Kernel(need)
+    launcher = launch.Launcher(kernel)
+    x = torch.empty(4)
+    for _ in range(3):
+        launcher[(1,)](x, maxnreg=launch.RegisterCap(128))
+    # compiled without the cap to learn its registers, then launched with the cap only where it needed more; later
+    # launches of that key reuse the choice without compiling again
+    assert kernel.compiles == [(True, None), (False, cap)]
+    (compiled,) = launcher.kernels.values()
+    assert len(compiled.launches) == 2
+
+
 @hopper
 def test_hopper_repeat_calls_skip_tritons_binding(monkeypatch):
     monkeypatch.setattr(triton_backend, "_plan_key", lambda *args: None)  # Launcher's own path, without plans

@@ -17,7 +17,7 @@ from . import route, tables
 from .cache_args import KVCache
 from .kernels import config
 from .kernels.decode import append_kv_kernel, decode_combine_kernel, decode_split_kernel
-from .launch import LOG2E, Launcher, Plan, Recorder, cdiv, hooked, keep, window_bound
+from .launch import LOG2E, Launcher, Plan, Recorder, RegisterCap, cdiv, hooked, keep, window_bound
 from .params import NO_BOUND, AttentionParams
 
 # launch.Launcher skips Triton's per-call argument binding: most of a decode step's host time otherwise
@@ -124,6 +124,7 @@ def forward(
     scale = p.softmax_scale
     softcap = p.softcap > 0 and scale != 0  # at scale 0 every score is 0, capped or not
     n = cache.capacity + n_q
+    cap = None if cfg.max_registers is None else RegisterCap(cfg.max_registers)
     recorder.add(_SPLIT.bind((batch * heads_k, cfg.splits, cdiv(rows, cfg.block_m)))(
         q, cache.k_cache, cache.v_cache, o_split, lse_split, cache.cache_seqlens, cache.cache_batch_idx,
         cache.cache_leftpad, p.alibi_slopes, p.sinks if cfg.splits == 1 else None,
@@ -137,7 +138,7 @@ def forward(
         LEFT=p.window_left != NO_BOUND, RIGHT=p.window_right != NO_BOUND, SOFTCAP=softcap,
         UPCAST=q.dtype == torch.bfloat16 and route.interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_registers, **_pages(cache, cfg),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cap, **_pages(cache, cfg),
         **_rotary(cache),
     ))  # fmt: skip
     if cfg.splits > 1:

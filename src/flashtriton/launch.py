@@ -38,7 +38,7 @@ from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 from . import tables
-from .kernels.triton_compat import PRIVATE_API_OK, c_launcher, tensordesc_arg
+from .kernels.triton_compat import PRIVATE_API_OK, c_launcher, registers, tensordesc_arg
 
 
 class Descriptor(NamedTuple):
@@ -97,6 +97,14 @@ def _spec(x: Any) -> Any:
     return spec(x)
 
 
+class RegisterCap(NamedTuple):
+    """A launch's ``maxnreg`` that holds only where the kernel compiled without a cap takes more registers per
+    thread: ptxas held to a cap allocates up to it, and spills, where it would take fewer without one (DECISIONS,
+    "Decoding"). Launcher resolves it once per launch key, by compiling the kernel without it first."""
+
+    registers: int
+
+
 def hooked() -> bool:
     """A launch hook is set (Triton's default is an empty HookChain): every launch must go through Triton."""
     hooks = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
@@ -127,7 +135,7 @@ class Launcher:
         """Launches; returns the compiled kernel (None where none is kept: a launch hook, a background
         compile, the interpreter), the argument values and the device."""
         if self.constexpr is None:
-            self.fn[grid](*args, **kwargs)
+            self.fn[grid](*args, **_capped(kwargs))  # (the interpreter allocates no registers)
             return None, [], 0
         rest = self.names[len(args) :]
         values = [*args, *(kwargs.pop(name) if name in kwargs else self.defaults[name] for name in rest)]
@@ -140,7 +148,7 @@ class Launcher:
         kernel = self.kernels.get(key)
         if kernel is None or hooked():
             gluon = [v.gluon() if isinstance(v, Descriptor) else v for v in values]
-            kernel = self.fn.run(*gluon, grid=grid, warmup=False, **kwargs)
+            kernel = self.fn.run(*gluon, grid=grid, warmup=False, **self._options(grid, gluon, kwargs))
             if kernel is None or hooked():  # None: compiling in the background
                 return None, values, device
             if PRIVATE_API_OK:  # kernel.run below is the C launcher's own calling convention
@@ -150,6 +158,22 @@ class Launcher:
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
         kernel.run(grid_x, grid_y, grid_z, stream, kernel.function, kernel.packed_metadata, None, None, None, *values)
         return kernel, values, device
+
+    def _options(self, grid: tuple[int, ...], values: list, kwargs: dict) -> dict:
+        """The launch options with a RegisterCap resolved: its registers where the kernel compiled without a cap
+        takes more (or where that cannot be known: a background compile, another Triton), else no cap."""
+        cap = kwargs.get("maxnreg")
+        if not isinstance(cap, RegisterCap):
+            return kwargs
+        free = self.fn.run(*values, grid=grid, warmup=True, **{**kwargs, "maxnreg": None})
+        needed = free is None or not PRIVATE_API_OK or registers(free) > cap.registers
+        return {**kwargs, "maxnreg": cap.registers if needed else None}
+
+
+def _capped(kwargs: dict) -> dict:
+    """The launch options with a RegisterCap as the plain cap it holds."""
+    cap = kwargs.get("maxnreg")
+    return {**kwargs, "maxnreg": cap.registers} if isinstance(cap, RegisterCap) else kwargs
 
 
 class _Maps:

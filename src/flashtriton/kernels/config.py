@@ -432,7 +432,8 @@ class DecodeConfig:
     num_stages: int
     splits: int  # programs sharing one (sequence, K/V head)'s keys; 1: one pass, no combine
     tile_pages: bool = False  # paged: a tile's pages by scalar block-table reads, not a read per row (decode.py)
-    max_registers: int | None = None  # the split kernel's registers per thread (maxnreg); None: the compiler's choice
+    # the split kernel's registers per thread at most, where it would take more (launch.RegisterCap); None: no cap
+    max_registers: int | None = None
 
 
 DECODE_MAX_BLOCK_M = 64  # packed rows per program; a call with more (long seqlen_q x GROUP) runs several row tiles
@@ -554,7 +555,8 @@ def full_waves(programs: int, capacity: int, slots: int, fill: float, most: int 
 
 def wave_registers(wave: DecodeWave, num_warps: int) -> int | None:
     """Registers per thread that let wave.per_sm programs share an SM (a kernel over the cap fits fewer, and the
-    wave's grid then runs in two); None where that is the most a thread has anyway (asked for 255, ptxas takes far
+    wave's grid then runs in two), a cap that holds only where the kernel would take more (ptxas held to one it
+    need not reach spills anyway); None where that is the most a thread has anyway (asked for 255, ptxas takes far
     more than it needs: DECISIONS, "Decoding")."""
     registers = SM_REGISTERS // (wave.per_sm * num_warps * 32)
     return registers if registers < MAX_REGISTERS else None

@@ -8,6 +8,7 @@ wrapper. Those internals move between Triton releases, so they are imported here
   reinterpret        a shared-memory descriptor viewed as another dtype, shape and layout (a Gluon builtin)
   c_launcher         a compiled kernel's C launch entry point, with which arguments are tensor descriptors
   tensordesc_arg     a host tensor descriptor expanded as that entry point takes it (TMA map, shape, strides)
+  registers          a compiled kernel's registers per thread (ptxas's choice), loading its binary to learn it
 
 ``PRIVATE_API_OK`` says whether the installed Triton is one these were written against (``TESTED``) and every name
 imported; where it is False, ``PRIVATE_API_PROBLEM`` says why, the Gluon kernels must not be routed to (the portable
@@ -117,3 +118,12 @@ def c_launcher(run: Any) -> tuple[BuiltinFunctionType, set[int], list[dict]] | N
     if not isinstance(entry, BuiltinFunctionType) or not metas or None in metas:
         return None
     return entry, descriptors, metas
+
+
+def registers(kernel: Any) -> int:
+    """A compiled kernel's registers per thread. Triton 3.6 learns them when it loads the binary onto the current
+    device (``CompiledKernel._init_handles``, which its first launch would run anyway)."""
+    if not PRIVATE_API_OK:
+        _unavailable()
+    kernel._init_handles()
+    return kernel.n_regs
