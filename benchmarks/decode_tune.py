@@ -7,7 +7,7 @@
     PYTHONPATH=src python benchmarks/decode_tune.py --configs --paged   # the table alone (an A/B of two builds)
 
 32/8 heads, D=128 (--head-dim), bf16, seqlen_q 1, the whole cache attended. Splits are taken as ceil(t * SMs /
-(B * H_KV)) for t programs per SM (t = 1, 2, 4, 8), capped at a split per DECODE_MIN_SPLIT_KEYS rows; --sweep takes
+(B * H_KV)) for t programs per SM (t = 1, 2, 4, 8), capped at a split per tile; --sweep takes
 every count from 1 to 32, 48 to 128 by 16 and those that fill whole waves instead, and notes how many programs of
 each config one SM holds (the first compiled kernel of that block_n, warps and stages: contiguous, this head dim).
 Small caches are replayed from several copies (about 300 MB in all) so that L2 does not hold them. Prints, per
@@ -124,7 +124,7 @@ def tune(batch: int, length: int, sms: int, paged: bool, head_dim: int, candidat
         times[prefix + "table"] = graph_us(lambda i, p=paged_call: ours(i, p), copies)
         for block_n, warps, stages in candidates:
             for per_sm in PROGRAMS_PER_SM:
-                cap = min(length // config.DECODE_MIN_SPLIT_KEYS, config.DECODE_MAX_SPLITS)
+                cap = min(-(-length // block_n), config.DECODE_MAX_SPLITS)
                 splits = max(1, min(math.ceil(per_sm * sms / (batch * HEADS_K)), cap))
                 _force((block_n, warps, stages, splits))
                 name = f"{prefix}{block_n}/{warps}/{stages}/s{splits}"
@@ -154,9 +154,9 @@ def sweep(batch: int, length: int, sms: int, head_dim: int, configs, paged: bool
     times = {"cudnn": cudnn}
     _force(None)
     times["table"] = graph_us(ours, copies)
-    cap = min(length // config.DECODE_MIN_SPLIT_KEYS, config.DECODE_MAX_SPLITS)
     pairs = batch * HEADS_K
     for block_n, warps, stages in configs:
+        cap = min(-(-length // block_n), config.DECODE_MAX_SPLITS)
         counts = {*range(1, 33), *range(48, 129, 16)}
         for waves in range(1, 9):
             counts |= {waves * per_sm * sms // pairs for per_sm in (1, 2, 3)}

@@ -439,8 +439,9 @@ def test_route_decides_the_decode_family_and_splits():
     # 64 x 8 pairs pass 2 per SM: unsplit at 2 stages; paged caches aim at 4 per SM
     assert route.decode(q.new_empty(64, 1, 32, 128), 8192, 8, 0, gpu="sm90", sms=132).config.splits == 1
     assert route.decode(q, 131072, 8, 0, gpu="sm90", sms=132, page_size=16).config.splits == 33
-    # every split grid is one wave of whole programs per SM, split as far as that wave and the rows per split allow;
-    # the wide tiles are Hopper's alone (other GPUs' shared memory holds none), for head dims padded to 128
+    # every split grid is one wave of whole programs per SM, split into chunks of whole tiles as short as that wave
+    # allows, each split with a chunk; the wide tiles are Hopper's alone (other GPUs' shared memory holds none), for
+    # head dims padded to 128
     shapes = itertools.product(("sm90", "cuda"), (0, 16), (1, 2, 3, 8, 17, 64, 300), (1, 8), (4096, 65536))
     for gpu, paged, batch, heads_k, capacity in shapes:
         many = torch.empty(batch, 1, 32, 128, device="meta", dtype=torch.bfloat16)
@@ -451,9 +452,11 @@ def test_route_decides_the_decode_family_and_splits():
         assert (c.block_n, c.num_warps) == ((128, 8) if wide else (64, 4)), case
         assert c.num_stages == (3 if not paged and programs <= 2 * 132 else 2), case
         per_sm = 4 if paged else 1 if wide else 2
-        capped = c.splits in (capacity // config.DECODE_MIN_SPLIT_KEYS, config.DECODE_MAX_SPLITS)
-        assert c.splits == 1 or programs * c.splits <= per_sm * 132, case
-        assert capped or programs > per_sm * 132 or programs * (c.splits + 1) > per_sm * 132, case
+        tiles, room = capacity // c.block_n, min(per_sm * 132 // programs, config.DECODE_MAX_SPLITS)
+        chunk = -(-tiles // c.splits)
+        assert c.splits == -(-tiles // chunk), case  # no split without a tile
+        shorter = chunk == 1 or -(-tiles // (chunk - 1)) > room  # a shorter chunk would need more splits than room
+        assert programs > per_sm * 132 or (c.splits <= room and shorter), case
         assert programs <= per_sm * 132 or c.splits == 1, case
         # per_sm programs fit an SM's 64K registers together: capped where that is under a thread's 255
         assert c.max_registers == (128 if paged else None), case
@@ -471,12 +474,15 @@ def test_route_decides_the_decode_family_and_splits():
         c = route.decode(many, capacity, 8, 0, gpu=gpu, sms=132, page_size=paged).config
         wide = (c.block_n, c.num_warps, c.num_stages, c.max_registers) == (256, 8, 3, None)
         assert (wide, c.splits if wide else 0) == (splits > 0, splits), (batch, capacity, paged, gpu)
-    assert config.full_waves(133, 300, 132, 0.95) == 1  # a split needs DECODE_MIN_SPLIT_KEYS rows
+    assert config.full_waves(133, 1, 132, 0.95) == 1  # a split needs a tile
     assert config.full_waves(133, 2**20, 132, 0.95) == 4  # none reaches the fill: the fullest (532 of 660)
     fp32 = route.decode(q.new_empty(2, 1, 32, 128, dtype=torch.float32), 8192, 8, 0, gpu="sm90", sms=132).config
     assert (fp32.block_n, fp32.num_warps) == (32, 4)  # no wide tiles: fp32 halves the table's
-    # a short cache: no split below config.DECODE_MIN_SPLIT_KEYS rows; a caller's count capped at the cache's tiles
-    assert route.decode(q, 300, 8, 0, gpu="sm90", sms=132).config.splits == 1
+    # a short cache: a tile per split at least, and no split without one (128 tiles in up to 33 splits: 32 of 4);
+    # a caller's count capped at the cache's tiles
+    assert route.decode(q, 300, 8, 0, gpu="sm90", sms=132).config.splits == 3
+    assert route.decode(q.new_empty(1, 1, 32, 64), 16384, 8, 0, gpu="sm90", sms=132).config.splits == 32
+    assert [config.whole_splits(128, most) for most in (1, 32, 33, 43, 64, 200)] == [1, 32, 32, 43, 64, 128]
     # paged: a tile's pages by tile where pages hold tiles and the cache is long, or pages are smaller than a tile
     # (up to config.DECODE_TILE_PAGES_MAX_READS reads) at any length; contiguous caches have no pages
     long_pages = route.decode(q, 131072, 8, 0, gpu="sm90", sms=132, page_size=256).config
@@ -487,8 +493,8 @@ def test_route_decides_the_decode_family_and_splits():
         assert small.tile_pages and small.block_n // 16 + 1 <= config.DECODE_TILE_PAGES_MAX_READS
         assert not route.decode(q, capacity, 8, 0, gpu="sm90", sms=132, page_size=4).config.tile_pages
     assert not route.decode(q, 131072, 8, 0, gpu="sm90", sms=132).config.tile_pages
-    # the caller's count, capped at the tiles: 1000 rows are 8 wide tiles (the table alone would take 3 splits)
-    assert route.decode(q, 1000, 8, 0, gpu="sm90", sms=132).config.splits == 3
+    # the caller's count as given, capped at the tiles: 1000 rows are 8 wide tiles
+    assert route.decode(q, 1000, 8, 3, gpu="sm90", sms=132).config.splits == 3
     assert route.decode(q, 1000, 8, 64, gpu="sm90", sms=132).config.splits == 8
     assert route.decode(q[:0], 100, 8, 0, gpu="sm90").family == route.NONE
     assert config.decode_config("sm90", 128, torch.bfloat16, 4 * 16, 1, 8192, 132, 1).block_m == 64

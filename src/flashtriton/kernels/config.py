@@ -438,14 +438,13 @@ class DecodeConfig:
 
 DECODE_MAX_BLOCK_M = 64  # packed rows per program; a call with more (long seqlen_q x GROUP) runs several row tiles
 DECODE_MAX_SPLITS = 128  # the most splits: the combine reads one partial row per split
-DECODE_MIN_SPLIT_KEYS = 256  # cache rows per split at least: each split costs a partial write and a combine read
 
 
 @dataclass(frozen=True)
 class DecodeWave:
     """How a split grid fills the SMs: a grid of up to per_sm unsplit programs per SM is split until it holds per_sm
-    per SM, at ``stages`` pipeline stages; a larger one runs at ``unsplit_stages``, unsplit, or with ``fill`` split
-    into waves that keep that share of the SMs busy (full_waves)."""
+    per SM (a tile per split at least), at ``stages`` pipeline stages; a larger one runs at ``unsplit_stages``,
+    unsplit, or with ``fill`` split into waves that keep that share of the SMs busy (full_waves)."""
 
     per_sm: int
     stages: int
@@ -457,8 +456,9 @@ class DecodeWave:
 # more than another finishes last): 2 programs per SM at 3 stages (3 fit an H100/H200 SM at D=128); a grid already
 # past that runs unsplit at 2 stages (5 fit). A paged cache's loads wait on the block table's and gain little from
 # stages: 4 per SM at 2 (4 fit, at most 128 registers each: wave_registers; 1 stage was slower). The wide tiles fit
-# one program per SM. A grid between whole counts per SM, or one past a wave, ran
-# slower (benchmarks/decode_tune.py --sweep; DECISIONS, "Decoding")
+# one program per SM. A grid between whole counts per SM, or one past a wave, ran slower; a short cache's splits of
+# one tile each beat longer ones, a program's tiles being a chain of dependent loads (benchmarks/decode_tune.py
+# --sweep; DECISIONS, "Decoding")
 DECODE_WAVE = DecodeWave(per_sm=2, stages=3, unsplit_stages=2)
 DECODE_WAVE_PAGED = DecodeWave(per_sm=4, stages=2, unsplit_stages=2)
 DECODE_WAVE_WIDE = DecodeWave(per_sm=1, stages=3, unsplit_stages=3, fill=0.95)  # wide tiles: _wide_tiles
@@ -488,16 +488,22 @@ DECODE_WIDE_MIN_CAPACITY = 32768
 _INTERPRETER_DECODE = (16, 1)  # block_n, num_warps
 
 
-def decode_waves(programs: int, capacity: int, sms: int, wave: DecodeWave) -> tuple[int, int]:
-    """(splits, num_stages) for a grid of ``programs`` unsplit programs over caches of ``capacity`` rows: split to
-    at most wave.per_sm programs per SM, no more than DECODE_MIN_SPLIT_KEYS rows each allow; where the grid already
-    passes that, unsplit or (wave.fill) in full waves. From shapes alone: the lengths are device values."""
+def decode_waves(programs: int, tiles: int, sms: int, wave: DecodeWave) -> tuple[int, int]:
+    """(splits, num_stages) for a grid of ``programs`` unsplit programs over caches of ``tiles`` tiles: split to at
+    most wave.per_sm programs per SM, a tile each at least; where the grid already passes that, unsplit or
+    (wave.fill) in full waves. From shapes alone: the lengths are device values."""
     slots = wave.per_sm * sms
     if programs > slots:
-        splits = 1 if wave.fill is None else full_waves(programs, capacity, slots, wave.fill)
+        splits = 1 if wave.fill is None else full_waves(programs, tiles, slots, wave.fill)
         return splits, wave.unsplit_stages
-    splits = max(1, min(wave.per_sm * sms // programs, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
-    return splits, wave.stages
+    return whole_splits(tiles, min(wave.per_sm * sms // programs, DECODE_MAX_SPLITS)), wave.stages
+
+
+def whole_splits(tiles: int, most: int) -> int:
+    """Splits of ``tiles`` tiles, at most ``most``, each of which gets a tile: the split kernel deals chunks of
+    cdiv(tiles, splits) whole tiles, so 128 tiles in 33 splits would be 32 chunks of 4 and a 33rd split with none."""
+    most = max(1, min(most, tiles))
+    return -(-tiles // -(-tiles // most))
 
 
 def decode_config(
@@ -529,7 +535,7 @@ def decode_config(
         elif arch == "sm90" and page_size <= 0 and _wide_tiles(padded, programs, capacity, sms):
             (block_n, warps), wave = _DECODE_WIDE[padded], DECODE_WAVE_WIDE
     tiles = max(1, -(-capacity // block_n))
-    splits, stages = decode_waves(programs, capacity, sms, wave)
+    splits, stages = decode_waves(programs, tiles, sms, wave)
     splits = num_splits or splits
     by_tile = tile_pages(arch, block_n, capacity, page_size)
     return DecodeConfig(block_m, block_n, warps, stages, min(splits, tiles), by_tile, wave_registers(wave, warps))
@@ -544,11 +550,11 @@ def _wide_tiles(padded: int, programs: int, capacity: int, sms: int) -> bool:
     return padded == 64 and programs > DECODE_WAVE.per_sm * sms and capacity >= DECODE_WIDE_MIN_CAPACITY
 
 
-def full_waves(programs: int, capacity: int, slots: int, fill: float, most: int = 4) -> int:
+def full_waves(programs: int, tiles: int, slots: int, fill: float, most: int = 4) -> int:
     """Splits of a grid of ``programs`` on ``slots`` programs at a time whose last wave keeps ``fill`` of the slots
-    busy: the fewest up to ``most`` (and DECODE_MIN_SPLIT_KEYS rows each), else the one whose waves are fullest (a
+    busy: the fewest up to ``most`` (and a tile each), else the one whose waves are fullest (a
     grid of 3.4 waves runs as long as one of 4)."""
-    counts = range(1, max(1, min(most, capacity // DECODE_MIN_SPLIT_KEYS)) + 1)
+    counts = range(1, max(1, min(most, tiles)) + 1)
     busy = {s: programs * s / (-(-programs * s // slots) * slots) for s in counts}
     return next((s for s in counts if busy[s] >= fill), max(counts, key=busy.__getitem__))
 
