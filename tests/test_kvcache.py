@@ -384,8 +384,8 @@ def test_block_table_entries_past_a_sequences_pages_are_not_read(backend, case):
 
 @pytest.mark.parametrize("backend,case", target_params(ONE), indirect=["backend"])
 def test_chosen_splits_and_no_lse_give_the_same_out(backend, case):
-    """num_splits=0 (the table's choice: a split cache, one sequence of one K/V head on a 512-row cache) and
-    return_softmax_lse=False agree with explicit splits to rounding."""
+    """num_splits=0 (the table's choice: a split cache, one sequence of one K/V head) and return_softmax_lse=False
+    agree with explicit splits to rounding."""
     case = replace(case, seqlens=(500,), n_q=2, n_new=2, heads_k=1, capacity=max(case.capacity, 512))
     inputs = _inputs(case, backend.device)
     if backend.name != "cpu-torch":
@@ -434,7 +434,7 @@ def test_route_decides_the_decode_family_and_splits():
     q = torch.empty(2, 1, 32, 128, device="meta", dtype=torch.bfloat16)
     r = route.decode(q, 8192, 8, 0, gpu="sm90", sms=132)
     assert r.family == route.DECODE and r.config.block_m == 16
-    # 16 (sequence, K/V head) pairs on 132 SMs fit one program per SM: the wide tiles, 8 splits (8192 rows allow 32)
+    # 16 (sequence, K/V head) pairs on 132 SMs fit one program per SM: the wide tiles, 8 splits (of 64 tiles)
     assert (r.config.splits, r.config.num_stages, r.config.block_n, r.config.num_warps) == (8, 3, 128, 8)
     # 64 x 8 pairs pass 2 per SM: unsplit at 2 stages; paged caches aim at 4 per SM
     assert route.decode(q.new_empty(64, 1, 32, 128), 8192, 8, 0, gpu="sm90", sms=132).config.splits == 1
@@ -475,6 +475,7 @@ def test_route_decides_the_decode_family_and_splits():
         wide = (c.block_n, c.num_warps, c.num_stages, c.max_registers) == (256, 8, 3, None)
         assert (wide, c.splits if wide else 0) == (splits > 0, splits), (batch, capacity, paged, gpu)
     assert config.full_waves(133, 1, 132, 0.95) == 1  # a split needs a tile
+    assert config.full_waves(133, 5, 132, 0.95) == 3  # 4 splits of 5 tiles would leave one without
     assert config.full_waves(133, 2**20, 132, 0.95) == 4  # none reaches the fill: the fullest (532 of 660)
     fp32 = route.decode(q.new_empty(2, 1, 32, 128, dtype=torch.float32), 8192, 8, 0, gpu="sm90", sms=132).config
     assert (fp32.block_n, fp32.num_warps) == (32, 4)  # no wide tiles: fp32 halves the table's

@@ -149,6 +149,7 @@ class _Kernel:
 
 @pytest.mark.parametrize("need,cap", [(114, None), (128, None), (160, 128)])
 def test_a_register_cap_holds_only_where_the_kernel_takes_more(need, cap, monkeypatch):
+    monkeypatch.setattr(launch, "PRIVATE_API_OK", True)
     monkeypatch.setattr(launch, "driver", SimpleNamespace(active=SimpleNamespace(
         get_current_device=lambda: 0, get_current_stream=lambda device: 0)))  # fmt: skip
     kernel = _Kernel(need)
@@ -161,6 +162,25 @@ def test_a_register_cap_holds_only_where_the_kernel_takes_more(need, cap, monkey
     assert kernel.compiles == [(True, None), (False, cap)]
     (compiled,) = launcher.kernels.values()
     assert len(compiled.launches) == 2
+
+
+def test_a_register_cap_holds_where_its_need_cannot_be_learnt(monkeypatch):
+    """Without Triton's private API nothing is kept, so each call would compile twice to learn its registers: the cap
+    holds; so it does where the uncapped compile is a background one's future."""
+    monkeypatch.setattr(launch, "driver", SimpleNamespace(active=SimpleNamespace(
+        get_current_device=lambda: 0, get_current_stream=lambda device: 0)))  # fmt: skip
+    x = torch.empty(4)
+    monkeypatch.setattr(launch, "PRIVATE_API_OK", False)
+    kernel = _Kernel(114)
+    for _ in range(2):
+        launch.Launcher(kernel)[(1,)](x, maxnreg=launch.RegisterCap(128))
+    assert kernel.compiles == [(False, 128)] * 2
+    monkeypatch.setattr(launch, "PRIVATE_API_OK", True)
+    kernel = _Kernel(114)
+    future = kernel.run
+    kernel.run = lambda *a, warmup, **kw: object() if warmup else future(*a, warmup=warmup, **kw)
+    launch.Launcher(kernel)[(1,)](x, maxnreg=launch.RegisterCap(128))
+    assert kernel.compiles == [(False, 128)]
 
 
 @hopper

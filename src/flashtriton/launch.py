@@ -135,7 +135,7 @@ class Launcher:
         """Launches; returns the compiled kernel (None where none is kept: a launch hook, a background
         compile, the interpreter), the argument values and the device."""
         if self.constexpr is None:
-            self.fn[grid](*args, **_capped(kwargs))  # (the interpreter allocates no registers)
+            self.fn[grid](*args, **kwargs)
             return None, [], 0
         rest = self.names[len(args) :]
         values = [*args, *(kwargs.pop(name) if name in kwargs else self.defaults[name] for name in rest)]
@@ -161,19 +161,17 @@ class Launcher:
 
     def _options(self, grid: tuple[int, ...], values: list, kwargs: dict) -> dict:
         """The launch options with a RegisterCap resolved: its registers where the kernel compiled without a cap
-        takes more (or where that cannot be known: a background compile, another Triton), else no cap."""
+        takes more, or where that cannot be known (a background compile; another Triton, whose calls are not kept, so
+        that each would compile twice), else no cap."""
         cap = kwargs.get("maxnreg")
         if not isinstance(cap, RegisterCap):
             return kwargs
-        free = self.fn.run(*values, grid=grid, warmup=True, **{**kwargs, "maxnreg": None})
-        needed = free is None or not PRIVATE_API_OK or registers(free) > cap.registers
+        needed = not PRIVATE_API_OK
+        if not needed:
+            free = self.fn.run(*values, grid=grid, warmup=True, **{**kwargs, "maxnreg": None})
+            taken = None if free is None else registers(free)
+            needed = taken is None or taken > cap.registers
         return {**kwargs, "maxnreg": cap.registers if needed else None}
-
-
-def _capped(kwargs: dict) -> dict:
-    """The launch options with a RegisterCap as the plain cap it holds."""
-    cap = kwargs.get("maxnreg")
-    return {**kwargs, "maxnreg": cap.registers} if isinstance(cap, RegisterCap) else kwargs
 
 
 class _Maps:

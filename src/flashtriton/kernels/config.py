@@ -475,7 +475,7 @@ MERGE_WARPS = 4
 # row's entry, which pages smaller still read too
 DECODE_TILE_PAGES_MIN_CAPACITY = 16384
 DECODE_TILE_PAGES_MAX_READS = 5
-INTERPRETER_SMS = 4  # the SM count the interpreter's split choice assumes (small grids of 512+ rows then split)
+INTERPRETER_SMS = 4  # the SM count the interpreter's split choice assumes (small grids of two tiles or more split)
 # (max head dim, block_n, num_warps) for 2-byte dtypes on CUDA GPUs, 16 KB K and V tiles each; fp32 halves block_n
 _DECODE_TABLE = ((64, 128, 4), (128, 64, 4), (256, 32, 4))
 # Hopper, 2-byte dtypes, contiguous caches: 32 KB K/V tiles (block_n, num_warps by padded head dim), one program per
@@ -500,8 +500,8 @@ def decode_waves(programs: int, tiles: int, sms: int, wave: DecodeWave) -> tuple
 
 
 def whole_splits(tiles: int, most: int) -> int:
-    """Splits of ``tiles`` tiles, at most ``most``, each of which gets a tile: the split kernel deals chunks of
-    cdiv(tiles, splits) whole tiles, so 128 tiles in 33 splits would be 32 chunks of 4 and a 33rd split with none."""
+    """Splits of ``tiles`` (>= 1) tiles, at most ``most``, each of which gets a tile: the split kernel deals chunks
+    of cdiv(tiles, splits) whole tiles, so 128 tiles in 33 splits would be 32 chunks of 4 and a 33rd split with none."""
     most = max(1, min(most, tiles))
     return -(-tiles // -(-tiles // most))
 
@@ -519,8 +519,9 @@ def decode_config(
 ) -> DecodeConfig:
     """The decode kernels' config for ``rows`` packed query rows per (sequence, K/V head), ``pairs`` such pairs,
     caches of ``capacity`` rows in pages of ``page_size`` (0: contiguous) and ``sms`` SMs: the table's tiles (or the
-    wide ones), split and staged as decode_waves says. ``num_splits``: the caller's (0: choose), capped at the
-    cache's tiles (a split with no tile computes nothing); tiles and stages stay the table's choice. The interpreter
+    wide ones), split and staged as decode_waves says. ``num_splits``: the caller's (0: choose), kept as given but
+    capped at the cache's tiles (a split may then be left without a tile: it writes an empty partial); tiles and
+    stages stay the table's choice. The interpreter
     reads whole-tile pages by tile at any capacity, so that CI runs that path."""
     block_m = min(max(MIN_BLOCK, next_power_of_2(rows)), DECODE_MAX_BLOCK_M)
     programs = pairs * -(-rows // block_m)
@@ -554,7 +555,7 @@ def full_waves(programs: int, tiles: int, slots: int, fill: float, most: int = 4
     """Splits of a grid of ``programs`` on ``slots`` programs at a time whose last wave keeps ``fill`` of the slots
     busy: the fewest up to ``most`` (and a tile each), else the one whose waves are fullest (a
     grid of 3.4 waves runs as long as one of 4)."""
-    counts = range(1, max(1, min(most, tiles)) + 1)
+    counts = sorted({whole_splits(tiles, s) for s in range(1, most + 1)})
     busy = {s: programs * s / (-(-programs * s // slots) * slots) for s in counts}
     return next((s for s in counts if busy[s] >= fill), max(counts, key=busy.__getitem__))
 

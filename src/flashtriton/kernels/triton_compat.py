@@ -120,10 +120,13 @@ def c_launcher(run: Any) -> tuple[BuiltinFunctionType, set[int], list[dict]] | N
     return entry, descriptors, metas
 
 
-def registers(kernel: Any) -> int:
-    """A compiled kernel's registers per thread. Triton 3.6 learns them when it loads the binary onto the current
-    device (``CompiledKernel._init_handles``, which its first launch would run anyway)."""
+def registers(kernel: Any) -> int | None:
+    """A compiled kernel's registers per thread; None for what is not one yet (a background compile's future).
+    Triton 3.6 learns them when it loads the binary onto the current device (``CompiledKernel._init_handles``, which
+    its first launch would run anyway)."""
     if not PRIVATE_API_OK:
         _unavailable()
+    if not hasattr(kernel, "_init_handles"):
+        return None
     kernel._init_handles()
     return kernel.n_regs
