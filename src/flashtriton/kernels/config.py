@@ -521,8 +521,8 @@ def decode_config(
     caches of ``capacity`` rows in pages of ``page_size`` (0: contiguous) and ``sms`` SMs: the table's tiles (or the
     wide ones), split and staged as decode_waves says. ``num_splits``: the caller's (0: choose), kept as given but
     capped at the cache's tiles (a split may then be left without a tile: it writes an empty partial); tiles and
-    stages stay the table's choice. The interpreter
-    reads whole-tile pages by tile at any capacity, so that CI runs that path."""
+    stages stay the table's choice. The interpreter reads whole-tile pages by tile at any capacity, so that CI runs
+    that path."""
     block_m = min(max(MIN_BLOCK, next_power_of_2(rows)), DECODE_MAX_BLOCK_M)
     programs = pairs * -(-rows // block_m)
     wave = DECODE_WAVE_PAGED if page_size > 0 else DECODE_WAVE
@@ -553,8 +553,8 @@ def _wide_tiles(padded: int, programs: int, capacity: int, sms: int) -> bool:
 
 def full_waves(programs: int, tiles: int, slots: int, fill: float, most: int = 4) -> int:
     """Splits of a grid of ``programs`` on ``slots`` programs at a time whose last wave keeps ``fill`` of the slots
-    busy: the fewest up to ``most`` (and a tile each), else the one whose waves are fullest (a
-    grid of 3.4 waves runs as long as one of 4)."""
+    busy: the fewest up to ``most`` (and a tile each), else the one whose waves are fullest (a grid of 3.4 waves runs
+    as long as one of 4)."""
     counts = sorted({whole_splits(tiles, s) for s in range(1, most + 1)})
     busy = {s: programs * s / (-(-programs * s // slots) * slots) for s in counts}
     return next((s for s in counts if busy[s] >= fill), max(counts, key=busy.__getitem__))
