@@ -75,19 +75,16 @@ def _time_shape(base, head_dim: int, batch: int, length: int, rounds: int, copie
     """Rows of one shape, seqlen_q 1 and 4: the medians of ``rounds`` rounds, the builds' calls and cuDNN's in turn,
     on ``copies`` copies of the caches (past L2)."""
     import torch.nn.functional as F
-    from decode_tune import graph_us
+    from decode_tune import forget_choices, graph_us
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import flashtriton
-    from flashtriton import decode_backend, route
 
     head = config.decode_config
 
     def build(table) -> None:
         config.decode_config = table
-        route._ROUTES.clear()  # routes and plans hold the table's choices
-        decode_backend._PLANS.clear()
-        decode_backend._SIGNED.clear()
+        forget_choices()
 
     shape = (batch, length, HEADS_K, head_dim)
     caches = [[torch.randn(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2)] for _ in range(copies)]

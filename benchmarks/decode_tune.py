@@ -51,13 +51,18 @@ def _config(arch, head_dim, dtype, rows, pairs, capacity, sms, num_splits, page_
     return config.DecodeConfig(chosen.block_m, block_n, warps, stages, splits, by_tile, registers)
 
 
+def forget_choices() -> None:
+    """Drops the routes and plans made so far: they hold the config they were made with."""
+    route._ROUTES.clear()
+    decode_backend._PLANS.clear()
+    decode_backend._SIGNED.clear()
+
+
 def _force(value: tuple | None) -> None:
     _forced.clear()
     if value is not None:
         _forced["config"] = value
-    route._ROUTES.clear()  # routes and plans hold the config they were made with
-    decode_backend._PLANS.clear()
-    decode_backend._SIGNED.clear()
+    forget_choices()
 
 
 def graph_us(fn, inputs: int) -> float:

@@ -457,8 +457,7 @@ class DecodeWave:
 # past that runs unsplit at 2 stages (5 fit). A paged cache's loads wait on the block table's and gain little from
 # stages: 4 per SM at 2 (4 fit, at most 128 registers each: wave_registers; 1 stage was slower). The wide tiles fit
 # one program per SM. A grid between whole counts per SM, or one past a wave, ran slower; a short cache's splits of
-# one tile each beat longer ones, a program's tiles being a chain of dependent loads (benchmarks/decode_tune.py
-# --sweep; DECISIONS, "Decoding")
+# one tile each beat longer ones (measured at D=64 and 128; benchmarks/decode_tune.py --sweep; DECISIONS, "Decoding")
 DECODE_WAVE = DecodeWave(per_sm=2, stages=3, unsplit_stages=2)
 DECODE_WAVE_PAGED = DecodeWave(per_sm=4, stages=2, unsplit_stages=2)
 DECODE_WAVE_WIDE = DecodeWave(per_sm=1, stages=3, unsplit_stages=3, fill=0.95)  # wide tiles: _wide_tiles
