@@ -6,6 +6,7 @@ Outputs are NaN-poisoned by conftest (torch.empty fills with NaN), so a row a ke
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -132,6 +133,14 @@ CASES["gpu"].append(
     replace(
         CASES["cpu"][0], name="paged-256-long-leftpad", page_size=256, capacity=20480, leftpad=(300, 9),
         seqlens=(20000, 7000), n_new=2, n_q=2, options=dict(causal=True),
+    )
+)  # fmt: skip
+# Hopper's deep paged wave (config.DECODE_WAVE_PAGED_DEEP: 3 stages, the block table read by plain loads): D=128,
+# splits of 8 tiles, an append crossing a page
+CASES["gpu"].append(
+    replace(
+        CASES["cpu"][0], name="paged-16-deep-leftpad", head_dim=128, page_size=16, capacity=32768, leftpad=(17, 0),
+        seqlens=(30000, 9001), n_new=3, n_q=2, options=dict(causal=True),
     )
 )  # fmt: skip
 
@@ -436,9 +445,15 @@ def test_route_decides_the_decode_family_and_splits():
     assert r.family == route.DECODE and r.config.block_m == 16
     # 16 (sequence, K/V head) pairs on 132 SMs fit one program per SM: the wide tiles, 8 splits (of 64 tiles)
     assert (r.config.splits, r.config.num_stages, r.config.block_n, r.config.num_warps) == (8, 3, 128, 8)
-    # 64 x 8 pairs pass 2 per SM: unsplit at 2 stages; paged caches aim at 4 per SM
+    # 64 x 8 pairs pass 2 per SM: unsplit at 2 stages
     assert route.decode(q.new_empty(64, 1, 32, 128), 8192, 8, 0, gpu="sm90", sms=132).config.splits == 1
-    assert route.decode(q, 131072, 8, 0, gpu="sm90", sms=132, page_size=16).config.splits == 33
+    # paged caches split to 4 per SM at 2 stages, or on Hopper from D=128 on to 2 per SM at 3 stages where that leaves
+    # each split 8 tiles or more (B2 128k: 16 splits of 128 tiles; at B1 8k, 32 splits of 4 would not)
+    assert route.decode(q, 131072, 8, 0, gpu="sm90", sms=132, page_size=16).config.splits == 16
+    one = q.new_empty(1, 1, 32, 128)
+    for capacity, (splits, stages) in ((8192, (64, 2)), (16384, (32, 3)), (1024, (16, 2))):
+        c = route.decode(one, capacity, 8, 0, gpu="sm90", sms=132, page_size=16).config
+        assert (c.splits, c.num_stages) == (splits, stages), capacity
     # every split grid is one wave of whole programs per SM, split into chunks of whole tiles as short as that wave
     # allows, each split with a chunk; the wide tiles are Hopper's alone (other GPUs' shared memory holds none), for
     # head dims padded to 128
@@ -450,9 +465,13 @@ def test_route_decides_the_decode_family_and_splits():
         wide = gpu == "sm90" and not paged and programs <= 132
         case = gpu, paged, batch, heads_k, capacity
         assert (c.block_n, c.num_warps) == ((128, 8) if wide else (64, 4)), case
-        assert c.num_stages == (3 if not paged and programs <= 2 * 132 else 2), case
-        per_sm = 4 if paged else 1 if wide else 2
-        tiles, room = capacity // c.block_n, min(per_sm * 132 // programs, config.DECODE_MAX_SPLITS)
+        # paged on Hopper: the contiguous caches' wave where its splits get 8 tiles or more
+        tiles = capacity // c.block_n
+        deep = gpu == "sm90" and paged and programs <= 2 * 132
+        deep = deep and tiles // config.whole_splits(tiles, min(2 * 132 // programs, config.DECODE_MAX_SPLITS)) >= 8
+        assert c.num_stages == (3 if (not paged or deep) and programs <= 2 * 132 else 2), case
+        per_sm = 4 if paged and not deep else 1 if wide else 2
+        room = min(per_sm * 132 // programs, config.DECODE_MAX_SPLITS)
         chunk = -(-tiles // c.splits)
         assert c.splits == -(-tiles // chunk), case  # no split without a tile
         shorter = chunk == 1 or -(-tiles // (chunk - 1)) > room  # a shorter chunk would need more splits than room
@@ -724,10 +743,12 @@ def test_cuda_graph_replays_decode_steps_with_new_lengths():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("head_dim,seqlen_q,causal", [(64, 1, False), (64, 4, True), (128, 1, False), (128, 4, True)])
-def test_paged_split_kernels_fit_their_wave_and_spill_only_where_capped(head_dim, seqlen_q, causal, monkeypatch):
+def test_paged_split_kernels_fit_their_wave_and_pipeline(head_dim, seqlen_q, causal, monkeypatch):
     """A paged call's split kernel keeps within the registers that let its wave's programs share an SM
     (config.wave_registers), under a cap only where it would take more without one: held to a cap it need not
-    reach, ptxas spills anyway."""
+    reach, ptxas spills anyway. Past 2 stages, each step waits for its own tile's copies alone, the next tile's
+    still in flight: the block table's entries come by plain loads (decode.table_entries), where as copies
+    committed after the K/V tiles' every step had waited for all of them."""
     monkeypatch.setattr(decode_backend, "_PLANS", {})
     monkeypatch.setattr(decode_backend, "_SIGNED", {})
     monkeypatch.setattr(decode_backend._SPLIT, "kernels", {})
@@ -746,6 +767,10 @@ def test_paged_split_kernels_fit_their_wave_and_spill_only_where_capped(head_dim
         assert kernel.n_spills == 0
     if head_dim == 64:  # measured: 114-128 registers without a cap, which at 128 spilled 22 values in the loop
         assert not capped
+    assert cfg.num_stages == (3 if head_dim == 128 and torch.cuda.get_device_capability() == (9, 0) else 2)
+    if cfg.num_stages > 2:
+        loop = kernel.asm["ttgir"].split("scf.for", 1)[1]
+        assert int(re.search(r"ttg\.async_wait [^\n]*\{num = (\d+)", loop).group(1)) > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

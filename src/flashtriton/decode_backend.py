@@ -70,7 +70,9 @@ def _pages(cache: KVCache, cfg: config.DecodeConfig) -> dict:
     table = cache.block_table
     return dict(
         BLOCK_TABLE=table, stride_tb=0 if table is None else table.stride(0),
-        PAGE_SIZE=max(cache.page_size, 1), TILE_PAGES=cfg.tile_pages, CAPACITY=cache.capacity,
+        PAGE_SIZE=max(cache.page_size, 1), TILE_PAGES=cfg.tile_pages,
+        SYNC_TABLE=cfg.num_stages > 2 and not route.interpreting(),  # 2 stages overlap no step's loads anyway
+        CAPACITY=cache.capacity,
     )  # fmt: skip
 
 

@@ -450,16 +450,23 @@ class DecodeWave:
     stages: int
     unsplit_stages: int
     fill: float | None = None
+    resident: int | None = None  # programs per SM that the register cap keeps room for (None: per_sm)
 
 
 # A split grid is one wave that loads every SM alike (programs of one call stream equal shares, so an SM holding one
 # more than another finishes last): 2 programs per SM at 3 stages (3 fit an H100/H200 SM at D=128); a grid already
-# past that runs unsplit at 2 stages (5 fit). A paged cache's loads wait on the block table's and gain little from
-# stages: 4 per SM at 2 (4 fit, at most 128 registers each: wave_registers; 1 stage was slower). The wide tiles fit
-# one program per SM. A grid between whole counts per SM, or one past a wave, ran slower; a short cache's splits of
-# one tile each beat longer ones (measured at D=64 and 128; benchmarks/decode_tune.py --sweep; DECISIONS, "Decoding")
+# past that runs unsplit at 2 stages (5 fit). Paged caches: 4 per SM at 2 stages (at most 128 registers each:
+# wave_registers; seqlen_q 4 causal takes 160 without a cap); from a padded head dim of 128 on, the deep wave where
+# its splits get DECODE_DEEP_MIN_TILES tiles each: 2 per SM at 3 stages, as contiguous caches, which at D=64 (tiles of
+# 128 rows, a block-table entry each) and with splits of 1-2 tiles ran slower. The wide tiles fit one program per SM.
+# A grid between whole counts per SM, or one past a wave, ran slower; a short cache's splits of one tile each beat
+# longer ones (measured at D=64 and 128; benchmarks/decode_tune.py --sweep; DECISIONS, "Decoding")
 DECODE_WAVE = DecodeWave(per_sm=2, stages=3, unsplit_stages=2)
 DECODE_WAVE_PAGED = DecodeWave(per_sm=4, stages=2, unsplit_stages=2)
+DECODE_WAVE_PAGED_DEEP = DecodeWave(per_sm=2, stages=3, unsplit_stages=2, resident=4)
+# measured faster at 8 tiles a split and more (D=256 B8 1k: 8; D=128 from 16), slower at 1-2 and D=128 B8 1k's 4,
+# faster at D=256 B1 4k's 4
+DECODE_DEEP_MIN_TILES = 8
 DECODE_WAVE_WIDE = DecodeWave(per_sm=1, stages=3, unsplit_stages=3, fill=0.95)  # wide tiles: _wide_tiles
 DECODE_COMBINE_WARPS = 4
 SM_REGISTERS = 65536  # 32-bit registers of an SM (every CUDA GPU from sm_50 on)
@@ -525,6 +532,7 @@ def decode_config(
     block_m = min(max(MIN_BLOCK, next_power_of_2(rows)), DECODE_MAX_BLOCK_M)
     programs = pairs * -(-rows // block_m)
     wave = DECODE_WAVE_PAGED if page_size > 0 else DECODE_WAVE
+    deep = False  # DECODE_WAVE_PAGED_DEEP, where its splits are long enough
     if arch == "interpreter":
         block_n, warps = _INTERPRETER_DECODE
     else:
@@ -534,8 +542,12 @@ def decode_config(
             block_n = max(MIN_BLOCK, block_n // 2)
         elif arch == "sm90" and page_size <= 0 and _wide_tiles(padded, programs, capacity, sms):
             (block_n, warps), wave = _DECODE_WIDE[padded], DECODE_WAVE_WIDE
+        deep = arch == "sm90" and page_size > 0 and padded >= 128 and dtype != torch.float32
     tiles = max(1, -(-capacity // block_n))
     splits, stages = decode_waves(programs, tiles, sms, wave)
+    if deep and tiles // decode_waves(programs, tiles, sms, DECODE_WAVE_PAGED_DEEP)[0] >= DECODE_DEEP_MIN_TILES:
+        wave = DECODE_WAVE_PAGED_DEEP
+        splits, stages = decode_waves(programs, tiles, sms, wave)
     splits = num_splits or splits
     by_tile = tile_pages(arch, block_n, capacity, page_size)
     return DecodeConfig(block_m, block_n, warps, stages, min(splits, tiles), by_tile, wave_registers(wave, warps))
@@ -560,11 +572,11 @@ def full_waves(programs: int, tiles: int, slots: int, fill: float, most: int = 4
 
 
 def wave_registers(wave: DecodeWave, num_warps: int) -> int | None:
-    """Registers per thread that let wave.per_sm programs share an SM (a kernel over the cap fits fewer, and the
-    wave's grid then runs in two), a cap that holds only where the kernel would take more (ptxas held to one it
-    need not reach spills anyway); None where that is the most a thread has anyway (asked for 255, ptxas takes far
-    more than it needs: DECISIONS, "Decoding")."""
-    registers = SM_REGISTERS // (wave.per_sm * num_warps * 32)
+    """Registers per thread that let the wave's resident (or per_sm) programs share an SM (a kernel over the cap
+    fits fewer, and the wave's grid then runs in two), a cap that holds only where the kernel would take more (ptxas
+    held to one it need not reach spills anyway); None where that is the most a thread has anyway (asked for 255,
+    ptxas takes far more than it needs: DECISIONS, "Decoding")."""
+    registers = SM_REGISTERS // ((wave.resident or wave.per_sm) * num_warps * 32)
     return registers if registers < MAX_REGISTERS else None
 
 

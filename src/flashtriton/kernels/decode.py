@@ -10,6 +10,7 @@ Notation
                A constexpr: the row's page and slot without a runtime division (shifts for powers of two)
   TILE_PAGES   a tile's rows' pages from scalar block-table reads, one per page the tile may touch, instead of one
                entry per row
+  SYNC_TABLE   block-table entries by plain loads, which Triton's pipeliner does not make copies of (table_entries)
   start, end   sequence b's keys are its cache rows [start, CACHE_SEQLENS[b] + N_NEW) within the CAPACITY:
                start = CACHE_LEFTPAD[b] (or 0; clamped at 0), key j is row start + j, N_K of them; the masks are
                params.py's with offset = end - N_Q, end = CACHE_SEQLENS[b] + N_NEW - start (rows past the cache,
@@ -84,25 +85,38 @@ def load_rotated(
 
 
 @triton.jit
-def cache_slots(first, rows, b, cache_b, row_ok, BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr,
-                TILE_PAGES: tl.constexpr, CAPACITY):  # fmt: skip
+def table_entries(ptrs, SYNC: tl.constexpr):
+    """Block-table entries at ptrs (all inside the table). SYNC: by a plain load, which Triton's pipeliner leaves
+    alone. Pipelined, it becomes a cp.async committed after the K/V tiles' copies, and as copies complete in the order
+    of their commits, every step would wait for all of them: no tile's load would overlap another's work. The
+    interpreter runs no inline PTX."""
+    if SYNC:
+        return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=True,
+                                         pack=1)  # fmt: skip
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def cache_slots(first, rows, b, cache_b, BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr,
+                SYNC_TABLE: tl.constexpr, CAPACITY):  # fmt: skip
     """(block, row within it) of sequence b's consecutive cache rows ``rows`` (from row ``first`` on): a page and
     its row through BLOCK_TABLE, or batch row cache_b and the row itself. The block is 64-bit (it multiplies the
     block stride). TILE_PAGES: the rows' pages by scalar block-table reads, one per page they may touch (their
-    count over PAGE_SIZE, plus one: they may start inside a page), instead of a read per row."""
+    count over PAGE_SIZE, plus one: they may start inside a page), instead of a read per row. Entries are read
+    clamped to the table: rows outside the capacity are masked by the caller (cache_seqlens are unchecked)."""
     if BLOCK_TABLE is not None:
         table = BLOCK_TABLE + b * stride_tb
+        last = CAPACITY // PAGE_SIZE - 1
         if TILE_PAGES:
             READS: tl.constexpr = (rows.shape[0] + PAGE_SIZE - 1) // PAGE_SIZE + 1
-            # entries clamped to the table: rows outside the capacity are masked anyway (cache_seqlens are unchecked)
-            last = CAPACITY // PAGE_SIZE - 1
             at = first // PAGE_SIZE
-            page = tl.zeros_like(rows) + tl.load(table + tl.minimum(tl.maximum(at, 0), last))
+            page = tl.zeros_like(rows) + table_entries(table + tl.minimum(tl.maximum(at, 0), last), SYNC_TABLE)
             for i in tl.static_range(1, READS):
-                later = tl.load(table + tl.minimum(tl.maximum(at + i, 0), last))
+                later = table_entries(table + tl.minimum(tl.maximum(at + i, 0), last), SYNC_TABLE)
                 page = tl.where(rows >= (at + i) * PAGE_SIZE, later, page)
         else:
-            page = tl.load(table + rows // PAGE_SIZE, mask=row_ok, other=0)
+            page = table_entries(table + tl.minimum(tl.maximum(rows // PAGE_SIZE, 0), last), SYNC_TABLE)
         return page.to(tl.int64), rows % PAGE_SIZE
     else:
         return tl.zeros_like(rows).to(tl.int64) + cache_b, rows
@@ -122,7 +136,8 @@ def append_kv_kernel(
     K_NEW, V_NEW, K, V, CACHE_SEQLENS, CACHE_BATCH_IDX,
     stride_nb, stride_nn, stride_nh, stride_wb, stride_wn, stride_wh,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr, CAPACITY, ROT_COS, ROT_SIN, seqlen_ro,
+    BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr, SYNC_TABLE: tl.constexpr, CAPACITY,
+    ROT_COS, ROT_SIN, seqlen_ro,
     N_NEW, HKV,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
@@ -137,8 +152,8 @@ def append_kv_kernel(
     # rows past the cache are dropped: cache_seqlens are device values, checked nowhere else
     ok = (j < N_NEW) & (rows >= 0) & (rows < CAPACITY)
     cols = tl.arange(0, BLOCK_D)
-    block, slot = cache_slots(first, rows, b, _cache_row(CACHE_BATCH_IDX, b), ok, BLOCK_TABLE, stride_tb, PAGE_SIZE,
-                              TILE_PAGES, CAPACITY)  # fmt: skip
+    block, slot = cache_slots(first, rows, b, _cache_row(CACHE_BATCH_IDX, b), BLOCK_TABLE, stride_tb, PAGE_SIZE,
+                              TILE_PAGES, SYNC_TABLE, CAPACITY)  # fmt: skip
     mask = ok[:, None] & (cols[None, :] < D)
     k_src = K_NEW + b * stride_nb + hk * stride_nh + j[:, None] * stride_nn
     k = load_rotated(k_src, ok, cols, rows, ROT_COS, ROT_SIN, seqlen_ro, D, ROTARY_DIM, INTERLEAVED)
@@ -160,7 +175,8 @@ def decode_split_kernel(
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lm, lse_start,
-    BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr, CAPACITY, ROT_COS, ROT_SIN, seqlen_ro,
+    BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr, SYNC_TABLE: tl.constexpr, CAPACITY,
+    ROT_COS, ROT_SIN, seqlen_ro,
     N_Q, N_NEW, H, HKV,
     GROUP, SPLITS, qk_scale, softcap, window_left, window_right, rotary_step, empty_lse,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -220,8 +236,8 @@ def decode_split_kernel(
     for n0 in tl.range(lo, hi, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
         key_ok = keys < hi
-        block, slot = cache_slots(start + n0, start + keys, b, cache_b, key_ok, BLOCK_TABLE, stride_tb, PAGE_SIZE,
-                                  TILE_PAGES, CAPACITY)  # fmt: skip
+        block, slot = cache_slots(start + n0, start + keys, b, cache_b, BLOCK_TABLE, stride_tb, PAGE_SIZE, TILE_PAGES,
+                                  SYNC_TABLE, CAPACITY)  # fmt: skip
         kv_mask = key_ok[:, None] & (cols[None, :] < D)
         k = tl.load(K + block[:, None] * stride_kb + slot[:, None] * stride_kn + hk * stride_kh + cols[None, :],
                     mask=kv_mask, other=0.0)  # fmt: skip
