@@ -66,13 +66,14 @@ def _rotary(cache: KVCache) -> dict:
     )  # fmt: skip
 
 
-def _pages(cache: KVCache, cfg: config.DecodeConfig) -> dict:
+def _pages(cache: KVCache, cfg: config.DecodeConfig, pipelined: bool = False) -> dict:
+    """The paged cache's kernel arguments. pipelined: the block table by plain loads (decode.table_entries), for a
+    split kernel past 2 stages (at 2 they measured up to 2% slower; the interpreter runs no inline PTX)."""
     table = cache.block_table
     return dict(
         BLOCK_TABLE=table, stride_tb=0 if table is None else table.stride(0),
         PAGE_SIZE=max(cache.page_size, 1), TILE_PAGES=cfg.tile_pages,
-        SYNC_TABLE=cfg.num_stages > 2 and not route.interpreting(),  # 2 stages overlap no step's loads anyway
-        CAPACITY=cache.capacity,
+        SYNC_TABLE=pipelined and cfg.num_stages > 2 and not route.interpreting(), CAPACITY=cache.capacity,
     )  # fmt: skip
 
 
@@ -140,7 +141,7 @@ def forward(
         LEFT=p.window_left != NO_BOUND, RIGHT=p.window_right != NO_BOUND, SOFTCAP=softcap,
         UPCAST=q.dtype == torch.bfloat16 and route.interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cap, **_pages(cache, cfg),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cap, **_pages(cache, cfg, pipelined=True),
         **_rotary(cache),
     ))  # fmt: skip
     if cfg.splits > 1:

@@ -456,17 +456,16 @@ class DecodeWave:
 # A split grid is one wave that loads every SM alike (programs of one call stream equal shares, so an SM holding one
 # more than another finishes last): 2 programs per SM at 3 stages (3 fit an H100/H200 SM at D=128); a grid already
 # past that runs unsplit at 2 stages (5 fit). Paged caches: 4 per SM at 2 stages (at most 128 registers each:
-# wave_registers; seqlen_q 4 causal takes 160 without a cap); from a padded head dim of 128 on, the deep wave where
-# its splits get DECODE_DEEP_MIN_TILES tiles each: 2 per SM at 3 stages, as contiguous caches, which at D=64 (tiles of
-# 128 rows, a block-table entry each) and with splits of 1-2 tiles ran slower. The wide tiles fit one program per SM.
-# A grid between whole counts per SM, or one past a wave, ran slower; a short cache's splits of one tile each beat
-# longer ones (measured at D=64 and 128; benchmarks/decode_tune.py --sweep; DECISIONS, "Decoding")
+# wave_registers; seqlen_q 4 causal takes 160 without a cap); on Hopper from a padded head dim of 128 on, where its
+# splits get DECODE_DEEP_MIN_TILES tiles each, the deep wave: 2 per SM at 3 stages, whose unsplit grids keep the
+# paged wave's 4 per SM (so its cap). D=64's 128-row tiles, a block-table entry each, ran slower in it. The wide tiles
+# fit one program per SM. A grid between whole counts per SM, or one past a wave, ran slower; a short cache's splits
+# of one tile each beat longer ones (measured at D=64 and 128; benchmarks/decode_tune.py --sweep; DECISIONS,
+# "Decoding")
 DECODE_WAVE = DecodeWave(per_sm=2, stages=3, unsplit_stages=2)
 DECODE_WAVE_PAGED = DecodeWave(per_sm=4, stages=2, unsplit_stages=2)
 DECODE_WAVE_PAGED_DEEP = DecodeWave(per_sm=2, stages=3, unsplit_stages=2, resident=4)
-# measured faster at 8 tiles a split and more (D=256 B8 1k: 8; D=128 from 16), slower at 1-2 and D=128 B8 1k's 4,
-# faster at D=256 B1 4k's 4
-DECODE_DEEP_MIN_TILES = 8
+DECODE_DEEP_MIN_TILES = 8  # measured faster from 8 tiles a split on, slower at D=128's 4
 DECODE_WAVE_WIDE = DecodeWave(per_sm=1, stages=3, unsplit_stages=3, fill=0.95)  # wide tiles: _wide_tiles
 DECODE_COMBINE_WARPS = 4
 SM_REGISTERS = 65536  # 32-bit registers of an SM (every CUDA GPU from sm_50 on)
