@@ -543,10 +543,9 @@ def decode_config(
             (block_n, warps), wave = _DECODE_WIDE[padded], DECODE_WAVE_WIDE
         deep = arch == "sm90" and page_size > 0 and padded >= 128 and dtype != torch.float32
     tiles = max(1, -(-capacity // block_n))
-    splits, stages = decode_waves(programs, tiles, sms, wave)
     if deep and tiles // decode_waves(programs, tiles, sms, DECODE_WAVE_PAGED_DEEP)[0] >= DECODE_DEEP_MIN_TILES:
         wave = DECODE_WAVE_PAGED_DEEP
-        splits, stages = decode_waves(programs, tiles, sms, wave)
+    splits, stages = decode_waves(programs, tiles, sms, wave)
     splits = num_splits or splits
     by_tile = tile_pages(arch, block_n, capacity, page_size)
     return DecodeConfig(block_m, block_n, warps, stages, min(splits, tiles), by_tile, wave_registers(wave, warps))
