@@ -224,8 +224,8 @@ def _expected(case: Case, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor, t
             k_new = rotary_reference(k_new, kwargs["rotary_cos"], kwargs["rotary_sin"], positions, case.interleaved)
         for b in range(case.batch):
             for row, j in ((seqlens[b] + j, j) for j in range(case.n_new)):
-                if row >= case.capacity:
-                    continue  # past the cache: dropped
+                if not 0 <= row < case.capacity:
+                    continue  # outside the cache (a negative cache_seqlens puts rows before it): dropped
                 if case.page_size:
                     at = (int(kwargs["block_table"][b, row // case.page_size]), row % case.page_size)
                 else:
@@ -366,6 +366,28 @@ def test_negative_cache_seqlens_see_no_key(backend, case):
 
 
 @pytest.mark.parametrize("backend,case", target_params(ONE), indirect=["backend"])
+def test_rows_appended_before_the_cache_are_dropped_and_stay_unrotated(backend, case):
+    """A negative cache_seqlens with an append: the new rows that land before row 0 are dropped as those past the end
+    are, the others written and attended; q and k at negative positions stay unrotated. Nothing outside the rotary
+    tables' rows is read: the memory before them and their rows past the capacity (no position reaches them) hold
+    NaN, so a negative position read from before the table or from its end (Python's indexing) shows."""
+    case = replace(case, seqlens=(-2, 9), n_q=2, n_new=3, rotary_dim=8, options=dict(causal=True))
+    inputs = _inputs(case, backend.device)
+    for name in ("rotary_cos", "rotary_sin"):
+        table = inputs.kwargs[name]
+        nan = torch.full_like(table[:4], float("nan"))
+        inputs.kwargs[name] = torch.cat((nan, table, nan))[4:]
+    k_cache, v_cache, k, v = _expected(case, inputs)
+    exact, plain = (_reference(case, inputs, k, v, dtype) for dtype in (torch.float64, None))
+    out, lse, k_after, v_after = _call(inputs, 2)
+    _assert_cache("k_cache", k_after, k_cache, rotated=True)
+    _assert_cache("v_cache", v_after, v_cache, rotated=False)
+    assert_close_to_reference("out", out, exact[0], plain[0])
+    assert_close_to_reference("lse", lse, exact[1], plain[1])
+    assert torch.isfinite(lse[0, :, -1]).all()  # the last query sees row 0, appended
+
+
+@pytest.mark.parametrize("backend,case", target_params(ONE), indirect=["backend"])
 def test_a_larger_cache_serves_its_first_rows(backend, case):
     """Without cache_batch_idx a cache of more batch rows than q serves sequence b from its row b (flash_attn's rule
     for a static cache sized for a larger batch); the rows past the batch are neither read nor written."""
@@ -391,6 +413,44 @@ def test_block_table_entries_past_a_sequences_pages_are_not_read(backend, case):
     inputs.kwargs["block_table"] = table
     for a, b in zip(_call(inputs, 2), expected, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "index,message",
+    [
+        ({"cache_batch_idx": [1, 3]}, "cache_batch_idx holds 3"),
+        ({"cache_batch_idx": [-1, 0]}, "cache_batch_idx holds -1"),
+        ({"block_table": [[0, 1], [2, 9]]}, r"block_table\[1\] lists page 9"),
+        ({"block_table": [[0, 1], [-1, 3]]}, r"block_table\[1\] lists page -1"),
+    ],
+    ids=["batch-idx-past", "batch-idx-negative", "page-past", "page-negative"],
+)
+def test_the_pytorch_path_refuses_index_values_outside_the_cache_before_writing(index, message, monkeypatch):
+    """The PyTorch path reads its index tensors on the host anyway: an entry it would use outside the cache raises a
+    ValueError before the append writes a row (Python's indexing would raise half-way, or wrap a negative one)."""
+    monkeypatch.setenv("FLASHTRITON_BACKEND", "torch")
+    name, value = next(iter(index.items()))
+    paged = name == "block_table"
+    k_cache = torch.randn(4, 16, 1, 8) if paged else torch.randn(3, 32, 1, 8)
+    v_cache = k_cache.clone()
+    before = k_cache.clone(), v_cache.clone()
+    q, k, v = (torch.randn(2, 1, 1, 8) for _ in range(3))
+    with pytest.raises(ValueError, match=message):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor([3, 20], dtype=torch.int32),
+                                **{name: torch.tensor(value, dtype=torch.int32)})  # fmt: skip
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+@pytest.mark.parametrize("backend", TARGETS, indirect=True, ids=str)
+def test_a_pool_of_no_pages_reads_nothing(backend):
+    """A paged cache of no pages with sequences of no rows: out 0 and LSE +inf on every path."""
+    q = torch.randn(2, 1, 2, 16, device=backend.device)
+    pages = torch.empty(0, 16, 1, 16, device=backend.device)
+    table = torch.zeros(2, 1, dtype=torch.int32, device=backend.device)
+    seqlens = torch.zeros(2, dtype=torch.int32, device=backend.device)
+    out, lse = flash_attn_with_kvcache(q, pages, pages, cache_seqlens=seqlens, block_table=table,
+                                       return_softmax_lse=True)  # fmt: skip
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all()
 
 
 @pytest.mark.parametrize("backend,case", target_params(ONE), indirect=["backend"])
@@ -546,7 +606,7 @@ ERRORS = {
     "cache-rank": (lambda q, kc, vc: (q, kc[0], vc), {}, ValueError, "must have 4 dims"),
     "cache-dtype": (lambda q, kc, vc: (q, kc.half(), vc), {}, ValueError, "one dtype"),
     "head-dim": (lambda q, kc, vc: (q[..., :8], kc, vc), {}, ValueError, "head dim"),
-    "gqa": (lambda q, kc, vc: (q[:, :, :3], kc, vc), {}, ValueError, "multiple of k heads"),
+    "gqa": (lambda q, kc, vc: (q[:, :, :3], kc, vc), {}, ValueError, "multiple of k_cache heads"),
     "cache-batch": (lambda q, kc, vc: (q, kc[:1], vc[:1]), {}, ValueError, "pass cache_batch_idx"),
     "seqlen-q-0": (lambda q, kc, vc: (q[:, :0], kc, vc), {}, ValueError, "seqlen_q = 0"),
     "no-heads": (lambda q, kc, vc: (q[:, :, :0], kc, vc), {}, ValueError, "0 heads"),
@@ -597,6 +657,12 @@ ERRORS = {
         {"cache_seqlens": 31},
         ValueError,
         "does not fit",
+    ),
+    "append-longer-than-cache": (  # a tensor cache_seqlens is not read, but the shapes alone cannot fit
+        lambda q, kc, vc: (q, kc, vc, torch.randn(2, 33, 2, 16), torch.randn(2, 33, 2, 16)),
+        {"cache_seqlens": torch.zeros(2, dtype=torch.int32)},
+        ValueError,
+        "pass at most 32 new rows",
     ),
     "seqlens-int64": (lambda q, kc, vc: (q, kc, vc), {"cache_seqlens": torch.tensor([1, 2])}, TypeError, "int32"),
     "seqlens-batch": (

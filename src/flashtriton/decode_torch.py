@@ -40,9 +40,38 @@ def append(cache: KVCache) -> None:
     cache.v_cache[block[inside], slot[inside]] = cache.v_new[inside]
 
 
+def _check_indices(cache: KVCache, seqlens: list[int], starts: list[int]) -> None:
+    """The index entries this call uses, which this path reads on the host anyway: one outside the cache raises
+    here, before the append writes anything (the Triton path reads none on the host: there, as in flash_attn, such
+    values are the caller's error). A block_table's used entries are those of the pages holding the rows appended or
+    attended; entries past them may hold anything."""
+    if cache.cache_batch_idx is not None:
+        rows = cache.k_cache.shape[0]
+        bad = [i for i in cache.cache_batch_idx.tolist() if not 0 <= i < rows]
+        if bad:
+            raise ValueError(
+                f"cache_batch_idx holds {bad[0]}, not a row of the cache's {rows}: pass indices in [0, {rows})"
+            )
+    if not cache.paged:
+        return
+    page, pages = cache.page_size, cache.k_cache.shape[0]
+    for b, entries in enumerate(cache.block_table.tolist()):
+        end = seqlens[b] + cache.seqlen_new
+        for lo, hi in ((seqlens[b], end), (starts[b], end)):  # appended, attended
+            lo, hi = max(lo, 0), min(hi, cache.capacity)
+            bad = [e for e in entries[lo // page : -(-hi // page)] if lo < hi and not 0 <= e < pages]
+            if bad:
+                raise ValueError(
+                    f"block_table[{b}] lists page {bad[0]} among the pages its rows use, not one of the cache's "
+                    f"{pages}: pass page indices in [0, {pages})"
+                )
+
+
 def dense_keys(cache: KVCache, x: torch.Tensor) -> torch.Tensor:
     """A cache (k_cache or v_cache) as each sequence sees it: (batch, capacity, nheads_k, headdim)."""
     if cache.paged:  # entries past a sequence's pages are never read (the kernels skip them): any value will do
+        if x.shape[0] == 0:  # no pages at all: no row is read either (_check_indices)
+            return x.new_zeros(cache.block_table.shape[0], cache.capacity, *x.shape[2:])
         return x[cache.block_table.long().clamp(0, x.shape[0] - 1)].flatten(1, 2)
     return x if cache.cache_batch_idx is None else x[cache.cache_batch_idx.long()]
 
@@ -57,11 +86,12 @@ def forward(
             "flash_attn_with_kvcache on the PyTorch path (fp32 CUDA tensors, or FLASHTRITON_BACKEND=torch) reads "
             "cache_seqlens on the host and cannot be captured in a CUDA graph: capture fp16 or bf16 calls"
         )
-    if cache.k_new is not None:
-        append(cache)
     batch, n_q, heads, _ = q.shape
     seqlens = cache.cache_seqlens.tolist()
     starts = [0] * batch if cache.cache_leftpad is None else [max(s, 0) for s in cache.cache_leftpad.tolist()]
+    _check_indices(cache, seqlens, starts)
+    if cache.k_new is not None:
+        append(cache)
     if cache.rotary_cos is not None:
         step = int(cache.rotate_rows)
         positions = cache.cache_seqlens.long()[:, None] + step * torch.arange(n_q, device=q.device)

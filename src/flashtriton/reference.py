@@ -160,11 +160,12 @@ def rotary_reference(
 
     cos, sin: (seqlen_ro, rotary_dim / 2); the first rotary_dim columns turn in pairs by angle (position, f), pair f
     being columns (2f, 2f + 1) if interleaved (GPT-J), else (f, f + rotary_dim / 2) (GPT-NeoX):
-    (a, b) -> (a cos - b sin, a sin + b cos). A position past the table leaves its row as it is.
+    (a, b) -> (a cos - b sin, a sin + b cos). A position outside the table (past it, or negative: cache_seqlens are
+    unchecked device values) leaves its row as it is.
     """
     rotary_dim = 2 * cos.shape[1]
-    inside = (positions < cos.shape[0])[..., None, None]
-    at = positions.clamp(max=cos.shape[0] - 1)
+    inside = ((positions >= 0) & (positions < cos.shape[0]))[..., None, None]
+    at = positions.clamp(min=0, max=cos.shape[0] - 1)
     c = torch.where(inside, cos[at].float()[:, :, None, :], 1.0)
     s = torch.where(inside, sin[at].float()[:, :, None, :], 0.0)
     turned = x[..., :rotary_dim].float()

@@ -38,28 +38,33 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q has batch {q.shape[0]}, k and v have batch {k.shape[0]}: they must match")
 
 
-def _check_shared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: str) -> None:
-    """dtype, device, k/v shapes, head dim and GQA, for dense and varlen layouts (heads at dim -2)."""
-    _check_same("dtype", q, k, v, lambda x: x.dtype)
-    _check_same("device", q, k, v, lambda x: x.device)
+def _check_shared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: str, kv=("k", "v")) -> None:
+    """dtype, device, k/v shapes, head dim and GQA, for dense and varlen layouts (heads at dim -2); kv: the names
+    the messages give k and v (a KV cache's are k_cache and v_cache)."""
+    _check_same("dtype", q, k, v, lambda x: x.dtype, kv)
+    _check_same("device", q, k, v, lambda x: x.device, kv)
+    k_name, v_name = kv
     if q.dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
-        raise TypeError(f"q, k, v have dtype {q.dtype}: supported dtypes are {names}; cast the inputs")
+        raise TypeError(f"q, {k_name}, {v_name} have dtype {q.dtype}: supported dtypes are {names}; cast the inputs")
     if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape {kv_layout}")
+        raise ValueError(
+            f"{k_name} {tuple(k.shape)} and {v_name} {tuple(v.shape)} must have the same shape {kv_layout}"
+        )
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q has head dim {q.shape[-1]}, k and v have {k.shape[-1]}: they must match")
+        raise ValueError(f"q has head dim {q.shape[-1]}, {k_name} and {v_name} have {k.shape[-1]}: they must match")
     check_input_head_dim(q.shape[-1])
     heads, heads_k = q.shape[-2], k.shape[-2]
     if heads_k == 0 or heads % heads_k != 0:
         raise ValueError(
-            f"k and v have {heads_k} heads, q has {heads}: q heads must be a positive multiple of k heads (MQA/GQA)"
+            f"{k_name} and {v_name} have {heads_k} heads, q has {heads}: q heads must be a positive multiple of "
+            f"{k_name} heads (MQA/GQA)"
         )
 
 
-def _check_same(what: str, q, k, v, get) -> None:
+def _check_same(what: str, q, k, v, get, kv=("k", "v")) -> None:
     if not get(q) == get(k) == get(v):
-        raise ValueError(f"q, k, v must share one {what}; got {get(q)}, {get(k)}, {get(v)}")
+        raise ValueError(f"q, {kv[0]}, {kv[1]} must share one {what}; got {get(q)}, {get(k)}, {get(v)}")
 
 
 def check_input_head_dim(head_dim: int) -> None:
@@ -333,7 +338,7 @@ def check_kvcache(
         layout = "(num_blocks, page_size, nheads_k, headdim) with a block_table"
     check_tensor("k_cache", k_cache, 4, layout)
     check_tensor("v_cache", v_cache, 4, layout)
-    _check_shared(q, k_cache, v_cache, layout)
+    _check_shared(q, k_cache, v_cache, layout, kv=("k_cache", "v_cache"))
     if q.shape[1] == 0:
         raise ValueError("q has seqlen_q = 0: pass at least one query, (batch, seqlen_q >= 1, nheads, headdim)")
     if q.shape[2] == 0:
@@ -414,7 +419,13 @@ def check_cache_index(name: str, x, q) -> None:
 
 
 def check_cache_seqlens(cache_seqlens, q, seqlen_new: int, capacity: int) -> None:
-    """An int: the rows already in every sequence's cache, with room for seqlen_new more; or check_cache_index's."""
+    """An int: the rows already in every sequence's cache, with room for seqlen_new more; or check_cache_index's. An
+    append longer than the cache is refused either way (shapes alone say so)."""
+    if seqlen_new > capacity:
+        raise ValueError(
+            f"k and v append {seqlen_new} rows to a cache of {capacity} rows per sequence: pass at most {capacity} "
+            "new rows, or a larger cache"
+        )
     if isinstance(cache_seqlens, torch.Tensor):
         check_cache_index("cache_seqlens", cache_seqlens, q)
         return

@@ -70,12 +70,14 @@ def load_rotated(
     D: tl.constexpr, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
     """A [rows, BLOCK_D] tile (row_ptrs: [rows, 1] pointers to each row's column 0), its first ROTARY_DIM columns
-    rotated at each row's position (one past the cos / sin table: left as is, nothing read past it)."""
+    rotated at each row's position (one outside the cos / sin table, past it or negative: left as is, nothing read
+    outside it)."""
     mask = row_ok[:, None] & (cols[None, :] < D)
     x = tl.load(row_ptrs + cols[None, :], mask=mask, other=0.0)
     if ROTARY_DIM > 0:
         partner, angle, sign = _pairs(cols, ROTARY_DIM, INTERLEAVED)
-        rotated = mask & (cols[None, :] < ROTARY_DIM) & (positions[:, None] < seqlen_ro)
+        inside = (positions >= 0) & (positions < seqlen_ro)
+        rotated = mask & (cols[None, :] < ROTARY_DIM) & inside[:, None]
         y = tl.load(row_ptrs + partner[None, :], mask=rotated, other=0.0)
         at = positions[:, None].to(tl.int64) * (ROTARY_DIM // 2) + angle[None, :]
         cos = tl.load(ROT_COS + at, mask=rotated, other=1.0).to(tl.float32)
