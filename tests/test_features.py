@@ -272,6 +272,8 @@ SOFTCAP = _cases(
     tiny=[
         Case(Shape(1, 40, 40, 2, 1, 16), softcap=1.5, dtype=F32),
         Case(Shape(1, 33, 50, 2, 2, 24), causal=True, softcap=3.0, dtype=F16),
+        # a cap far above the scores: tanh near 0, where 1 - 2 / (exp(2x) + 1) cancels by the cap's size
+        Case(Shape(1, 40, 40, 2, 1, 16), softcap=1e5, dtype=F32),
     ],
     cpu=[
         Case(Shape(2, 300, 300, 4, 2, 64), softcap=2.0, dtype=F32),
@@ -280,6 +282,7 @@ SOFTCAP = _cases(
     gpu=[
         Case(Shape(2, 1000, 1000, 8, 2, 128), softcap=2.0),
         Case(Shape(1, 4096, 4096, 8, 8, 64), causal=True, softcap=5.0),
+        Case(Shape(1, 1000, 1000, 4, 2, 64), softcap=1e5, dtype=F32),
     ],
 )
 

@@ -38,6 +38,8 @@ CASES = {
     "head-dim-large": (lambda: qkv((1, 8, 4, 257), (1, 8, 2, 257)), {}, ValueError, "from 1 to 256"),
     "scale-nan": (qkv, {"softmax_scale": float("nan")}, ValueError, "softmax_scale must be a finite number"),
     "scale-inf": (qkv, {"softmax_scale": float("-inf")}, ValueError, "softmax_scale must be a finite number"),
+    "scale-past-fp32": (qkv, {"softmax_scale": 3e38}, ValueError, "softmax_scale = 3e\\+38 is outside fp32's range"),
+    "scale-subnormal": (qkv, {"softmax_scale": -1e-39}, ValueError, "softmax_scale = -1e-39 is outside fp32's range"),
     "scale-type": (qkv, {"softmax_scale": "0.1"}, TypeError, "softmax_scale must be a float"),
     "scale-bool": (qkv, {"softmax_scale": True}, TypeError, "softmax_scale must be a float"),
     "dropout-one": (qkv, {"dropout_p": 1.0}, ValueError, "dropout_p must be in [0, 1)"),
@@ -57,6 +59,7 @@ CASES = {
     "window-tensor-range": (qkv, {"window_size": torch.tensor([-2, 0])}, ValueError, "unbounded), got (-2, 0)"),
     "softcap-negative": (qkv, {"softcap": -1.0}, ValueError, "softcap must be >= 0"),
     "softcap-inf": (qkv, {"softcap": float("inf")}, ValueError, "softcap must be >= 0 and finite"),
+    "softcap-subnormal": (qkv, {"softcap": 1e-40}, ValueError, "softcap = 1e-40 is outside fp32's range"),
     "alibi-shape": (qkv, {"alibi_slopes": torch.ones(2)}, ValueError, "alibi_slopes must have shape (4,)"),
     "alibi-batch": (qkv, {"alibi_slopes": torch.ones(3, 4)}, ValueError, "or (1, 4) (batch, nheads)"),
     "alibi-dtype": (qkv, {"alibi_slopes": torch.ones(4, dtype=torch.float64)}, TypeError, "alibi_slopes.float()"),
@@ -120,6 +123,16 @@ VARLEN_CASES = {
     ),
     "max-seqlen-small": (lambda: with_arg(5, 4), ValueError, "max_seqlen_q is 4 .* pass at least 5"),
     "max-seqlen-type": (lambda: with_arg(6, 5.0), TypeError, r"max_seqlen_k must be an int"),
+    "max-seqlen-negative-no-sequences": (  # no length to compare with: the message still says the fix
+        lambda: (
+            *(torch.randn(0, 2, 16) for _ in range(3)),
+            *(torch.zeros(1, dtype=torch.int32) for _ in range(2)),
+            -1,
+            0,
+        ),
+        ValueError,
+        "max_seqlen_q is -1 .* pass at least 0",
+    ),
 }
 
 

@@ -20,6 +20,8 @@ from .kernels import config
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256  # flash_attn's limit too
 HEAD_DIM_STEP = 8  # the kernels take multiples of it; the public API zero-pads other head dims up to one
+# The kernels take softmax_scale and softcap as fp32 and scale by log2(e): magnitudes they hold, nonzero ones normal
+FP32_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max / 2)
 
 
 def check_tensor(name: str, x: object, ndim: int, layout: str) -> None:
@@ -93,7 +95,16 @@ def resolve_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
     if not abs(softmax_scale) < math.inf:  # not math.isfinite, which a traced (symbolic) float cannot pass through
         raise ValueError(f"softmax_scale must be a finite number (None: 1 / sqrt(headdim)), got {softmax_scale}")
+    _check_fp32_range("softmax_scale", softmax_scale)
     return float(softmax_scale)
+
+
+def _check_fp32_range(name: str, value: float) -> None:
+    """A finite scalar the kernels compute with in fp32 must stay finite and normal there (or be 0)."""
+    low, high = FP32_RANGE
+    if abs(value) > high or 0.0 < abs(value) < low:
+        raise ValueError(f"{name} = {value} is outside fp32's range for the kernels: pass 0 or a magnitude from "
+                         f"{low:.3g} to {high:.3g}")  # fmt: skip
 
 
 def _is_int(x: object) -> bool:
@@ -150,6 +161,7 @@ def check_softcap(softcap) -> float:
         raise TypeError(f"softcap must be a float (0.0 disables it), got {type(softcap).__name__}")
     if not (abs(softcap) < math.inf and softcap >= 0.0):  # NaN fails both; abs() traces, math.isfinite does not
         raise ValueError(f"softcap must be >= 0 and finite (0.0 disables it), got {softcap}")
+    _check_fp32_range("softcap", softcap)
     return float(softcap)
 
 
@@ -197,8 +209,8 @@ def host_read(x: torch.Tensor, key: Hashable, read: Callable[[torch.Tensor], Any
     read before or written in place since.
 
     torch bumps a tensor's version counter on every in-place write through torch (views included),
-    so a cached read is stale exactly when the counter moved. Writes that bypass torch (a raw
-    pointer handed to another library) are not seen: pass a fresh tensor after such a write.
+    so a cached read is stale exactly when the counter moved. Writes that bypass the counter (through
+    ``.data``, or a raw pointer handed to another library) are not seen: pass a fresh tensor after such a write.
     Inference tensors have no counter and are read every time. Concurrent callers may both read.
     """
     if x.is_inference():
@@ -318,11 +330,11 @@ def _check_starts(name: str, cu: torch.Tensor, *, total: int, max_seqlen: int) -
             f"{name} ends at {starts[-1]} but the packed tensor has {total} tokens: "
             "the last entry must be the total length"
         )
-    max_name = name.replace("cu_seqlens", "max_seqlen")
-    if max_seqlen < max(lengths, default=0):
+    max_name, longest = name.replace("cu_seqlens", "max_seqlen"), max(lengths, default=0)
+    if max_seqlen < longest:
         raise ValueError(
-            f"{max_name} is {max_seqlen} but the longest sequence in {name} has {max(lengths)} tokens: "
-            f"pass at least {max(lengths)}"
+            f"{max_name} is {max_seqlen} but the longest sequence in {name} has {longest} tokens: pass at least "
+            f"{longest}"
         )
     return True
 
