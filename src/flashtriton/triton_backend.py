@@ -301,7 +301,7 @@ def _features(p: AttentionParams, n: int) -> tuple[dict, dict]:
         MASK_TENSORS=(), SCORE_TENSORS=tuple(p.score_mod.tensors) if p.score_mod else (),
     )  # fmt: skip
     flags = dict(
-        LEFT=p.left_bounded, RIGHT=p.window_right != NO_BOUND, SOFTCAP=p.softcap > 0,
+        LEFT=p.left_bounded, RIGHT=p.window_right != NO_BOUND, SOFTCAP=config.softcap_mode(p.softcap),
         ALIBI=p.alibi_slopes is not None, DROPOUT=p.dropout_p > 0, VARLEN=p.varlen, SPARSE=p.sparse,
         SPARSE_BLOCK_M=1, SPARSE_BLOCK_N=1, MASK_MOD=None, SCORE_MOD=p.score_mod.fn if p.score_mod else None,
     )  # fmt: skip

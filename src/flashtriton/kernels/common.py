@@ -212,16 +212,18 @@ def logits(
     q_idx, k_idx: query / key indices broadcastable to s (either orientation). Also returns
     d logits / d(softmax_scale * s) in natural units (1 - tanh^2 of the softcap times the
     score_mod's derivative) when the backward needs it (SCORE_GRAD), else s.
-    qk_scale is softmax_scale * LOG2E; with SOFTCAP, softcap arrives as softmax_scale / softcap.
+    qk_scale is softmax_scale * LOG2E; with SOFTCAP (config.softcap_mode), softcap arrives as softmax_scale / softcap.
     """
     deriv = s
     if SOFTCAP:
-        # tanh(x) = 1 - 2 / (exp(2x) + 1) saturates correctly at both ends but cancels near 0, an absolute error that
-        # a large cap multiplies; below |x| = 1/4 the series to x^7 instead (4e-7 relative at most either side)
-        x = s * softcap
-        x2 = x * x
-        series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
-        t = tl.where(x2 < 0.0625, series, 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0))
+        # tanh(x) = 1 - 2 / (exp(2x) + 1) saturates correctly at both ends but cancels near 0: an absolute error of
+        # about 2^-24, which the cap multiplies into the logit. SOFTCAP == 2 (config.softcap_mode: a large cap) takes
+        # the series to x^7 below |x| = 1/4 instead (4e-7 relative at most either side)
+        t = 1.0 - 2.0 / (tl.math.exp2(s * (softcap * 2.0 * LOG2E)) + 1.0)
+        if SOFTCAP == 2:
+            x = s * softcap
+            x2 = x * x
+            t = tl.where(x2 < 0.0625, x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0)))), t)
         s = t * (qk_scale / softcap)
         deriv = 1.0 - t * t
     else:

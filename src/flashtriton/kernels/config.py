@@ -267,6 +267,20 @@ _CUDA_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
 )
 
 
+# Softcaps above this take tanh's series near 0 (kernels/common.py logits): the exp2 form's logit error, about the cap
+# times 2^-24, passes 8e-6 there; the series cost 6-14% of a softcap call on the H200 (DECISIONS, "Forward:
+# portable Triton kernels")
+SOFTCAP_SERIES_ABOVE = 128.0
+
+
+def softcap_mode(softcap: float) -> int:
+    """The kernels' SOFTCAP flag: 0 no softcap; 1 tanh by exp2; 2 with its series near 0 (a cap past
+    SOFTCAP_SERIES_ABOVE)."""
+    if softcap <= 0:
+        return 0
+    return 2 if softcap > SOFTCAP_SERIES_ABOVE else 1
+
+
 def next_power_of_2(n: int) -> int:
     """The least power of two >= n (n >= 1): triton.next_power_of_2 is a constexpr function, slower on the host."""
     return 1 << (n - 1).bit_length()

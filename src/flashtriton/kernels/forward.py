@@ -9,7 +9,7 @@ Notation
 
 Feature flags (tl.constexpr; params.py has the semantics)
   LEFT, RIGHT  the window band has a left / right bound (causal: RIGHT with window_right = 0)
-  SOFTCAP      score = softcap * tanh(score / softcap)
+  SOFTCAP      score = softcap * tanh(score / softcap); 2: tanh by its series near 0 too (config.softcap_mode)
   ALIBI        score -= slope[b, h] * |i + offset - j|
   DROPOUT      P is dropped by the Philox mask of dropout.py and rescaled by 1 / (1 - p)
   VARLEN       sequence b is rows CU_SEQLENS_Q[b]:CU_SEQLENS_Q[b + 1] of a packed batch; N_Q, N_K
