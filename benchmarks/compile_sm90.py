@@ -109,6 +109,7 @@ def _cases(n: int, head_dim: int) -> dict:
     slopes = torch.rand(2, 8)
     seed = torch.tensor([3])
     features = AttentionParams(scale, n // 4, 16, softcap=30.0, alibi_slopes=slopes, dropout_p=0.1, dropout_seed=seed)
+    large_cap = replace(features, softcap=1000.0)  # tanh's series near 0 (config.softcap_mode)
     return {
         "dense": (False, AttentionParams(scale)),
         "causal": (False, AttentionParams(scale, window_right=0)),
@@ -117,6 +118,7 @@ def _cases(n: int, head_dim: int) -> dict:
         "window": (False, AttentionParams(scale, window_left=n // 4, window_right=0)),
         "long window": (False, AttentionParams(scale, window_left=1800, window_right=16)),  # span > SHORT_SPAN
         "features": (False, features),
+        "features large cap": (False, large_cap),
         "varlen": (
             True,
             AttentionParams(scale, window_right=0, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n, max_seqlen_k=n),

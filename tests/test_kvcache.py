@@ -98,6 +98,7 @@ def _cases(tiny: bool) -> list[Case]:
         "batch-idx": replace(base, batch_cache=5, n_q=2, n_new=2, rotary_dim=8),
         "gqa-3-window": replace(base, heads=6, heads_k=2, n_q=4, n_new=4, options=dict(window_size=(5, 2))),
         "mqa-softcap-scale": replace(base, heads_k=1, n_q=2, options=dict(softcap=2.0, softmax_scale=-0.4)),
+        "softcap-large": replace(base, n_q=2, dtype=torch.float32, options=dict(softcap=1000.0, causal=True)),
         "alibi-causal": replace(base, alibi=True, n_q=3, n_new=1, options=dict(causal=True)),
         "head-dim-20": replace(base, head_dim=20, rotary_dim=12, n_q=2, n_new=2, options=dict(causal=True)),
         "head-dim-256-bf16": replace(base, head_dim=256, heads=2, heads_k=1, n_q=2, dtype=torch.bfloat16),
@@ -451,6 +452,21 @@ def test_a_pool_of_no_pages_reads_nothing(backend):
     out, lse = flash_attn_with_kvcache(q, pages, pages, cache_seqlens=seqlens, block_table=table,
                                        return_softmax_lse=True)  # fmt: skip
     assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all()
+
+
+@pytest.mark.parametrize("backend,case", target_params(ONE), indirect=["backend"])
+def test_block_table_entries_before_a_left_window_are_not_read(backend, case):
+    """Pages wholly before every query's left window bound may be freed (an engine's sliding window): their entries
+    may hold anything, on every path."""
+    case = replace(case, seqlens=(40, 5), n_q=2, n_new=1, capacity=64, page_size=16,
+                   options=dict(causal=True, window_size=(8, 0)))  # fmt: skip
+    inputs = _inputs(case, backend.device)
+    expected = _call(inputs, 2)
+    table = inputs.kwargs["block_table"].clone()
+    table[0, 0] = -1  # sequence 0's queries sit at rows 39 and 40: the first key any sees is 31, page 1's last
+    inputs.kwargs["block_table"] = table
+    for a, b in zip(_call(inputs, 2), expected, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("backend,case", target_params(ONE), indirect=["backend"])

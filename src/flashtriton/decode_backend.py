@@ -139,7 +139,7 @@ def forward(
         rotary_step=int(cache.rotate_rows), empty_lse=empty_lse,
         D=head_dim, BLOCK_D=config.block_d(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         LEFT=p.window_left != NO_BOUND, RIGHT=p.window_right != NO_BOUND,
-        SOFTCAP=config.softcap_mode(p.softcap) if softcap else 0,
+        SOFTCAP=config.softcap_mode(p.softcap, q.dtype) if softcap else 0,
         UPCAST=q.dtype == torch.bfloat16 and route.interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cap, **_pages(cache, cfg, pipelined=True),

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache_args import KVCache
-from .params import AttentionParams
+from .params import NO_BOUND, AttentionParams
 from .reference import attention_reference, rotary_reference
 from .route import Route
 
@@ -40,11 +40,11 @@ def append(cache: KVCache) -> None:
     cache.v_cache[block[inside], slot[inside]] = cache.v_new[inside]
 
 
-def _check_indices(cache: KVCache, seqlens: list[int], starts: list[int]) -> None:
+def _check_indices(cache: KVCache, seqlens: list[int], starts: list[int], n_q: int, p: AttentionParams) -> None:
     """The index entries this call uses, which this path reads on the host anyway: one outside the cache raises
     here, before the append writes anything (the Triton path reads none on the host: there, as in flash_attn, such
     values are the caller's error). A block_table's used entries are those of the pages holding the rows appended or
-    attended; entries past them may hold anything."""
+    that some query may see (from leftpad, or the first query's left window bound, on); others may hold anything."""
     if cache.cache_batch_idx is not None:
         rows = cache.k_cache.shape[0]
         bad = [i for i in cache.cache_batch_idx.tolist() if not 0 <= i < rows]
@@ -57,7 +57,8 @@ def _check_indices(cache: KVCache, seqlens: list[int], starts: list[int]) -> Non
     page, pages = cache.page_size, cache.k_cache.shape[0]
     for b, entries in enumerate(cache.block_table.tolist()):
         end = seqlens[b] + cache.seqlen_new
-        for lo, hi in ((seqlens[b], end), (starts[b], end)):  # appended, attended
+        first = starts[b] if p.window_left == NO_BOUND else max(starts[b], end - n_q - p.window_left)
+        for lo, hi in ((seqlens[b], end), (first, end)):  # appended, seen
             lo, hi = max(lo, 0), min(hi, cache.capacity)
             bad = [e for e in entries[lo // page : -(-hi // page)] if lo < hi and not 0 <= e < pages]
             if bad:
@@ -89,7 +90,7 @@ def forward(
     batch, n_q, heads, _ = q.shape
     seqlens = cache.cache_seqlens.tolist()
     starts = [0] * batch if cache.cache_leftpad is None else [max(s, 0) for s in cache.cache_leftpad.tolist()]
-    _check_indices(cache, seqlens, starts)
+    _check_indices(cache, seqlens, starts, n_q, p)
     if cache.k_new is not None:
         append(cache)
     if cache.rotary_cos is not None:

@@ -544,9 +544,10 @@ def flash_attn_with_kvcache(
         out 0 and LSE sinks[h].
 
     Values of tensor arguments (cache_seqlens, cache_batch_idx, cache_leftpad, block_table) are never read on the
-    host, so a call captures in a CUDA graph (the Triton path; the PyTorch path reads them); they are therefore not
-    validated: rows they place past the cache are neither written nor read, and a page index past num_blocks is the
-    caller's error. An int cache_seqlens is checked against the capacity. No gradient flows.
+    host, so a call captures in a CUDA graph (the Triton path; the PyTorch path reads them, and refuses entries it
+    would use outside the cache before writing); they are therefore not validated: rows they place outside the cache
+    are neither written nor read, and a page index past num_blocks is the caller's error. An int cache_seqlens is
+    checked against the capacity; an append longer than the cache is refused either way. No gradient flows.
 
     Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse).
     """

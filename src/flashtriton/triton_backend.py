@@ -291,8 +291,9 @@ def _lse_strides(lse: torch.Tensor | None, varlen: bool) -> tuple[int, int]:
     return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
 
 
-def _features(p: AttentionParams, n: int) -> tuple[dict, dict]:
-    """Runtime arguments and constexpr flags of the feature set, shared by every kernel (n: query plus key rows)."""
+def _features(p: AttentionParams, n: int, dtype: torch.dtype) -> tuple[dict, dict]:
+    """Runtime arguments and constexpr flags of the feature set, shared by every kernel (n: query plus key rows;
+    dtype: the inputs' as the kernels run them)."""
     runtime = dict(
         CU_SEQLENS_Q=p.cu_seqlens_q, CU_SEQLENS_K=p.cu_seqlens_k, ALIBI_SLOPES=p.alibi_slopes,
         softcap=p.softmax_scale / p.softcap if p.softcap > 0 else 0.0,
@@ -301,7 +302,7 @@ def _features(p: AttentionParams, n: int) -> tuple[dict, dict]:
         MASK_TENSORS=(), SCORE_TENSORS=tuple(p.score_mod.tensors) if p.score_mod else (),
     )  # fmt: skip
     flags = dict(
-        LEFT=p.left_bounded, RIGHT=p.window_right != NO_BOUND, SOFTCAP=config.softcap_mode(p.softcap),
+        LEFT=p.left_bounded, RIGHT=p.window_right != NO_BOUND, SOFTCAP=config.softcap_mode(p.softcap, dtype),
         ALIBI=p.alibi_slopes is not None, DROPOUT=p.dropout_p > 0, VARLEN=p.varlen, SPARSE=p.sparse,
         SPARSE_BLOCK_M=1, SPARSE_BLOCK_N=1, MASK_MOD=None, SCORE_MOD=p.score_mod.fn if p.score_mod else None,
     )  # fmt: skip
@@ -352,7 +353,7 @@ def _tuning_key(p: AttentionParams, head_dim: int, dtype: torch.dtype, span: int
     """What a tuned config is chosen for beside the kernel family and the GPU (autotune.choose): the head dim, the
     dtype, the span's bucket, the features on, whether the LSE is written (an inference call's kernel writes none,
     and its best config may differ) and whether the results are fp32 (stored from registers on Hopper)."""
-    _, flags = _features(p, 0)  # the flags alone
+    _, flags = _features(p, 0, dtype)  # the flags alone
     features = tuple(name for name, on in sorted(flags.items()) if on and not name.startswith("SPARSE_BLOCK"))
     written = (() if with_lse else ("no lse",)) + (("fp32 results",) if p.fp32_results else ())
     return head_dim, str(dtype).removeprefix("torch."), autotune.span_bucket(span), *features, *written
@@ -464,7 +465,7 @@ def _written(out: torch.Tensor, lse: torch.Tensor | None) -> tuple[torch.Tensor,
 def _portable_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.ForwardConfig, batch, n_q, n_k):
     """The portable forward kernel into out and lse: (out, lse)."""
     heads, head_dim, heads_k = q.shape[2], q.shape[3], k.shape[2]
-    runtime, flags = _features(p, n_q + n_k)
+    runtime, flags = _features(p, n_q + n_k, q.dtype)
     block_m, block_n = _tile(cfg.block_m, p.block_mask, 0), _tile(cfg.block_n, p.block_mask, 1)
     grid = _heads_grid(cdiv(n_q, block_m), batch, heads)
     block_d = config.block_d(head_dim)
@@ -574,7 +575,7 @@ def _gradients(dout, dlse, q, k, v, out, lse, p: AttentionParams, r: route.Route
         keep(_PLANS, key, recorder)
         return *_shaped((dq, dk, dv), shapes, grad_dtype), delta
     cfg = r.config
-    runtime, flags = _features(p, n_q + n_k)
+    runtime, flags = _features(p, n_q + n_k, q.dtype)
     flags.update(SCORE_GRAD=p.score_mod.grad if p.score_mod else None)
     kernel_args = dict(
         N_Q=n_q, N_K=n_k, qk_scale=p.softmax_scale * LOG2E, softmax_scale=p.softmax_scale, GROUP=heads // heads_k,

@@ -216,9 +216,7 @@ def logits(
     """
     deriv = s
     if SOFTCAP:
-        # tanh(x) = 1 - 2 / (exp(2x) + 1) saturates correctly at both ends but cancels near 0: an absolute error of
-        # about 2^-24, which the cap multiplies into the logit. SOFTCAP == 2 (config.softcap_mode: a large cap) takes
-        # the series to x^7 below |x| = 1/4 instead (4e-7 relative at most either side)
+        # tanh(x) = 1 - 2 / (exp(2x) + 1) saturates at both ends but cancels near 0; SOFTCAP 2: the series there
         t = 1.0 - 2.0 / (tl.math.exp2(s * (softcap * 2.0 * LOG2E)) + 1.0)
         if SOFTCAP == 2:
             x = s * softcap

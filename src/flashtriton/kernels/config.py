@@ -267,18 +267,17 @@ _CUDA_TABLE: tuple[tuple[int, ForwardConfig, BackwardConfig], ...] = (
 )
 
 
-# Softcaps above this take tanh's series near 0 (kernels/common.py logits): the exp2 form's logit error, about the cap
-# times 2^-24, passes 8e-6 there; the series cost 6-14% of a softcap call on the H200 (DECISIONS, "Forward:
-# portable Triton kernels")
+# Softcaps above this take tanh's series near 0 (kernels/common.py logits), as fp32 inputs always do: the exp2 form's
+# logit error grows with the cap, and the series costs 16-bit calls time (DECISIONS, "Forward: portable Triton kernels")
 SOFTCAP_SERIES_ABOVE = 128.0
 
 
-def softcap_mode(softcap: float) -> int:
-    """The kernels' SOFTCAP flag: 0 no softcap; 1 tanh by exp2; 2 with its series near 0 (a cap past
-    SOFTCAP_SERIES_ABOVE)."""
+def softcap_mode(softcap: float, dtype: torch.dtype) -> int:
+    """The kernels' SOFTCAP flag for inputs of ``dtype``: 0 no softcap; 1 tanh by exp2; 2 with its series near 0
+    (fp32, or a cap past SOFTCAP_SERIES_ABOVE)."""
     if softcap <= 0:
         return 0
-    return 2 if softcap > SOFTCAP_SERIES_ABOVE else 1
+    return 2 if dtype == torch.float32 or softcap > SOFTCAP_SERIES_ABOVE else 1
 
 
 def next_power_of_2(n: int) -> int:
