@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 # --no-compile: byte-compiling all of torch was most of the install's time; Python compiles what a run imports
 PIP := $(PY) -m pip install -q --disable-pip-version-check --no-compile
-# pytest-xdist workers for `make test` (CI's machine has 2 cores); WORKERS=0 runs in one process
+# pytest-xdist workers for `make test` (CI's machine has 2 cores; an idle one takes tests queued for the other, so a
+# slow test last in one queue does not hold the run); WORKERS=0 runs in one process
 WORKERS ?= 2
 # arguments for `make bench`, e.g. ARGS="--head-dims 128 --causal yes"
 ARGS ?=
@@ -29,7 +30,7 @@ demo: $(STAMP)
 # Without a GPU, tests/conftest.py turns on TRITON_INTERPRET=1 so the Triton kernels run on CPU.
 test: $(STAMP)
 	$(PY) -m ruff check src tests
-	$(PY) -m pytest -q -n $(WORKERS) tests
+	$(PY) -m pytest -q -n $(WORKERS) --dist worksteal tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests
