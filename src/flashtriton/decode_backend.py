@@ -68,7 +68,7 @@ def _rotary(cache: KVCache) -> dict:
 
 def _pages(cache: KVCache, cfg: config.DecodeConfig, pipelined: bool = False) -> dict:
     """The paged cache's kernel arguments. pipelined: the block table by plain loads (decode.table_entries), for a
-    split kernel past 2 stages (at 2 they measured up to 2% slower; the interpreter runs no inline PTX)."""
+    split kernel past 2 stages (at 2 they ran slower: DECISIONS, "Decoding"; the interpreter runs no inline PTX)."""
     table = cache.block_table
     return dict(
         BLOCK_TABLE=table, stride_tb=0 if table is None else table.stride(0),

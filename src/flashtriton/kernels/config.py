@@ -478,7 +478,7 @@ class DecodeWave:
 DECODE_WAVE = DecodeWave(per_sm=2, stages=3, unsplit_stages=2)
 DECODE_WAVE_PAGED = DecodeWave(per_sm=4, stages=2, unsplit_stages=2)
 DECODE_WAVE_PAGED_DEEP = DecodeWave(per_sm=2, stages=3, unsplit_stages=2, resident=4)
-DECODE_DEEP_MIN_TILES = 8  # measured faster from 8 tiles a split on, slower at D=128's 4
+DECODE_DEEP_MIN_TILES = 8  # shorter splits ran slower in the deep wave (DECISIONS, "Decoding")
 DECODE_WAVE_WIDE = DecodeWave(per_sm=1, stages=3, unsplit_stages=3, fill=0.95)  # wide tiles: _wide_tiles
 DECODE_COMBINE_WARPS = 4
 SM_REGISTERS = 65536  # 32-bit registers of an SM (every CUDA GPU from sm_50 on)
