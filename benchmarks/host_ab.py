@@ -6,7 +6,7 @@ the kernels'); then a cProfile of this tree's causal fwd+bwd.
 
     python benchmarks/ab_sweep.py prepare BASE_COMMIT          # on any machine: writes ab-base/flashtriton_base
     PYTHONPATH=src:ab-base python benchmarks/host_ab.py [--suite attention decode] [--out host_ab.json]
-    PYTHONPATH=src:ab-base python benchmarks/host_ab.py --cpu  # the CPU path (fp32): its host time beside ATen's kernel
+    PYTHONPATH=src:ab-base python benchmarks/host_ab.py --cpu  # the CPU path (fp32) against SDPA on the CPU
 """
 
 import argparse
@@ -60,6 +60,8 @@ def attention_calls(causal: bool, grad: bool, device: str) -> dict:
     }
     if device == "cuda":
         calls["cudnn"] = call(_cudnn, (qt, kt, vt))
+    else:  # the same ATen kernel, called by SDPA itself
+        calls["sdpa"] = call(lambda *x, causal: F.scaled_dot_product_attention(*x, is_causal=causal), (qt, kt, vt))
     return calls
 
 

@@ -49,9 +49,9 @@ def _spy_kernel_inputs(monkeypatch) -> list[tuple[int, float]]:
     """The (head dim, softmax_scale) of each call that reaches ops.attention, the layer below the API."""
     seen, attention = [], ops.attention
 
-    def spy(q, k, v, params):
+    def spy(q, k, v, params, **options):
         seen.append((q.shape[-1], params.softmax_scale))
-        return attention(q, k, v, params)
+        return attention(q, k, v, params, **options)
 
     monkeypatch.setattr(ops, "attention", spy)
     return seen

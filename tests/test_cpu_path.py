@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from flashtriton import flash_attn_func, flash_attn_varlen_func, torch_backend
+from flashtriton import flash_attn_func, flash_attn_varlen_func, ops, torch_backend
 from flashtriton.kernels.config import TORCH_BLOCK_M
 from flashtriton.mods import causal_mask
 from flashtriton.params import AttentionParams
@@ -139,11 +139,52 @@ def test_varlen_runs_the_kernel_per_sequence(calls):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_name)
 def test_the_kernel_computes_fp16_in_fp32(dtype, calls):
     """fp16 runs the kernel in fp32 (ATen's fp16 kernel is several times slower on CPUs without fp16 matrix units);
-    fp32 and bf16 run as they come."""
+    fp32 and bf16 run as they come. On both eager paths: with the LSE returned (our backward's kernel call), and
+    without (ATen's op under torch's autograd, whose backward torch calls)."""
     q, k, v = random_qkv(Shape(1, 20, 20, 2, 2, 32), dtype, "cpu")
+    flash_attn_func(q, k, v, return_attn_probs=True)[0].sum().backward()
     flash_attn_func(q, k, v).sum().backward()
     expected = torch.float32 if dtype == torch.float16 else dtype
-    assert [c[-1] for c in calls] == [expected, expected]
+    assert [c[0] for c in calls] == ["fused", "fused grad", "fused"]
+    assert [c[-1] for c in calls] == [expected] * 3
+
+
+# (shape, options, ATen's op under torch's autograd): one kernel call answers a call whole without a window, or
+# with a causal mask that is the kernel's own top-left one (n_q == n_k, or window_right = n_q - n_k)
+WHOLE_CASES = [
+    pytest.param(Shape(2, 37, 37, 4, 2, 40), {}, True, id="full-gqa"),
+    pytest.param(Shape(1, 30, 50, 2, 2, 64), {}, True, id="full-q30-k50"),
+    pytest.param(Shape(2, 37, 37, 4, 1, 24), dict(causal=True), True, id="causal-mqa"),
+    pytest.param(Shape(1, 40, 30, 2, 2, 32), dict(window_size=(-1, 10)), True, id="right-bound-top-left"),
+    pytest.param(Shape(1, 30, 50, 2, 2, 32), dict(causal=True), False, id="causal-q30-k50"),
+    pytest.param(Shape(1, 40, 40, 2, 2, 32), dict(window_size=(8, 0)), False, id="sliding-window"),
+    pytest.param(Shape(1, 40, 40, 2, 2, 32), dict(softmax_scale=-0.3), True, id="negative-scale"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_name)
+@pytest.mark.parametrize("shape,options,whole", WHOLE_CASES)
+def test_whole_calls_take_atens_op_and_its_autograd(shape, options, whole, dtype):
+    """A call that one kernel call answers, its LSE not returned, is ATen's op under torch's own autograd (no Python
+    in its backward); others keep the autograd.Function. out and gradients match the fp64 reference either way, in
+    the inputs' dtype."""
+    q, k, v = random_qkv(shape, dtype, "cpu")
+    out = flash_attn_func(q, k, v, **options)
+    assert isinstance(out.grad_fn, ops._EagerAttention._backward_cls) != whole, type(out.grad_fn).__name__
+    dout = torch.randn(q.shape, dtype=dtype)
+    (out * dout).sum().backward()
+    causal, scale = options.get("causal", False), options.get("softmax_scale")
+    window = options.get("window_size", (-1, -1))
+    dlse = torch.zeros(shape.batch, shape.heads, shape.n_q)
+    exact, plain = (
+        reference_outputs(q, k, v, dout, dlse, causal, scale, compute, window_size=window)
+        for compute in (torch.float64, None)
+    )
+    ours = (out.detach(), None, q.grad, k.grad, v.grad)
+    for name, a, e, p in zip(NAMES, ours, exact, plain, strict=True):
+        if a is not None:
+            assert a.dtype == dtype and a.shape == e.shape, name
+            assert_close_to_reference(f"{name} ({dtype})", a, e, p)
 
 
 def test_the_fused_path_is_for_cpu_tensors_only():

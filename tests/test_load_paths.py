@@ -9,7 +9,15 @@ import pytest
 import torch
 from torch.autograd import forward_ad
 
-from flashtriton import create_block_mask, flash_attn_func, flash_attn_varlen_func, ops, route, triton_backend
+from flashtriton import (
+    create_block_mask,
+    flash_attn_func,
+    flash_attn_varlen_func,
+    ops,
+    route,
+    torch_backend,
+    triton_backend,
+)
 from flashtriton.kernels import config
 from flashtriton.mods import causal_mask
 from flashtriton.params import AttentionParams
@@ -69,11 +77,14 @@ def test_tma_and_pointer_loads_agree_bitwise(case, monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_eager_path_refuses_double_backward():
+@pytest.mark.parametrize("softcap", [0.0, 5.0], ids=["aten-op", "function"])
+def test_eager_paths_refuse_double_backward(softcap):
+    """Both eager CPU paths: ATen's fused op under torch's autograd (a plain call, torch_backend.aten_serves) and the
+    autograd.Function (softcap)."""
     q, k, v = (torch.randn(1, 9, 2, 16, requires_grad=True) for _ in range(3))
-    out = flash_attn_func(q, k, v, causal=True)
+    out = flash_attn_func(q, k, v, causal=True, softcap=softcap)
     (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match=r"once_differentiable|differentiate"):
+    with pytest.raises(RuntimeError, match=r"once_differentiable|differentiate|derivative for .* is not implemented"):
         dq.sum().backward()
 
 
@@ -101,20 +112,24 @@ def test_inference_mode_masks_and_cu_seqlens():
 
 def test_ops_module_routes_plain_tensors_past_the_custom_ops(monkeypatch):
     """Plain eager tensors never reach the torch.library ops: with a gradient to take they go through the
-    autograd.Function, without one straight to the computation (no autograd node)."""
+    autograd.Function, without one straight to the computation (no autograd node); a CPU call that ATen's fused
+    kernel answers whole, and whose LSE is discarded, through ATen's op (torch_backend.aten_serves)."""
     seen = []
-    function = ops._EagerAttention.apply
+    function, aten = ops._EagerAttention.apply, torch_backend.aten_whole
     monkeypatch.setattr(ops._EagerAttention, "apply", lambda *a: seen.append("function") or function(*a))
+    monkeypatch.setattr(torch_backend, "aten_whole", lambda *a: seen.append("aten") or aten(*a))
     monkeypatch.setattr(ops, "attention_forward", lambda *a: seen.append("op"))
     for requires_grad in (True, False):
-        seen.clear()
         q, k, v = (torch.randn(1, 5, 1, 16, requires_grad=requires_grad) for _ in range(3))
-        out = flash_attn_func(q, k, v)
-        assert seen == (["function"] if requires_grad else [])
-        assert out.requires_grad == requires_grad and torch.isfinite(out).all()
+        for options in ({}, {"return_attn_probs": True}, {"softcap": 2.0}):
+            seen.clear()
+            out = flash_attn_func(q, k, v, **options)
+            out = out[0] if isinstance(out, tuple) else out
+            assert seen == (["aten"] if not options else ["function"] if requires_grad else [])
+            assert out.requires_grad == requires_grad and torch.isfinite(out).all()
     with torch.no_grad():
         seen.clear()
-        assert not flash_attn_func(q.requires_grad_(), k, v).requires_grad
+        assert not flash_attn_func(q.requires_grad_(), k, v, softcap=2.0).requires_grad
         assert seen == []
 
 

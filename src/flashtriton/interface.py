@@ -258,7 +258,7 @@ def _params(
 def _attention(q, k, v, params: AttentionParams, return_attn_probs: bool) -> _Result:
     head_dim = q.shape[-1]
     q, k, v, params = _kernel_inputs(q, k, v, params)
-    out, lse = ops.attention(q, k, v, params)
+    out, lse = ops.attention(q, k, v, params, keep_lse=return_attn_probs)
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     if not return_attn_probs:

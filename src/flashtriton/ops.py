@@ -192,21 +192,27 @@ def watched(*tensors: torch.Tensor) -> bool:
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams, keep_lse: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Differentiable attention: (out, lse); lse is None when params.write_lse is False (an inference call, which
-    must need no gradient; the API asks for it only then).
+    must need no gradient; the API asks for it only then) or keep_lse is False (the caller discards it).
 
     Plain eager tensors take the computation without the ops' dispatch; anything that watches or records ops goes
     through the custom ops: torch.compile / export, torch.jit.trace, a dispatch mode (make_fx, FlopCounterMode,
-    checkpoint policies), tensor subclasses (fake, functional tensors).
+    checkpoint policies), tensor subclasses (fake, functional tensors). A plain eager call of the PyTorch path that
+    ATen's fused CPU kernel answers whole runs that ATen op, under torch's own autograd (torch_backend.aten_serves),
+    where the LSE is discarded.
     """
     if watched(q, k, v):
         out, lse = attention_forward(q, k, v, *schema.to_schema(params))
         return out, lse if params.write_lse else None
+    dual = forward_ad._current_level >= 0  # the Function refuses duals; so does ATen's op
+    aten = not (keep_lse or dual) and torch_backend.aten_serves(q, k, params)
+    if aten and route.forward(q, k, v, params).family == route.TORCH:  # (not the interpreter's kernels)
+        return torch_backend.aten_whole(q, k, v, params), None
     sinks = params.sinks
     learning = q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
-    if not (torch.is_grad_enabled() and learning) and forward_ad._current_level < 0:  # the Function refuses duals
+    if not (torch.is_grad_enabled() and learning) and not dual:
         with torch.no_grad():  # as in the Function: no gradient reaches ALiBi slopes or a mod's tensors
             return forward(q, k, v, params)  # no autograd node, no saved tensors
     return _EagerAttention.apply(q, k, v, sinks, params)

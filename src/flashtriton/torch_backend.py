@@ -8,7 +8,8 @@ fused  ATen's CPU flash-attention kernel (the one F.scaled_dot_product_attention
        pieces it computes exactly (_pieces): query rows against a key range, each either unmasked,
        top-left causal, or under a small additive mask of its own rows and keys; pieces that share
        rows are merged by their LSE. Memory stays O(N * d) per (batch, head) plus a mask of one
-       query tile's band.
+       query tile's band. An eager call that one kernel call answers whole and whose LSE is discarded
+       runs ATen's op under torch's own autograd formula (aten_serves).
 tiled  the same algorithm as the Triton kernels, in PyTorch ops, for every option (softcap, ALiBi,
        dropout, score_mod, block masks) and for tensors off the CPU.
 
@@ -345,7 +346,7 @@ def _tiled_backward(dout, q, k, v, lse, delta, params: AttentionParams, first_ba
 # The fused path. ATen's kernel takes (batch, nheads, seqlen, headdim) views whose head dim is contiguous and returns
 # the natural-log LSE in fp32 (batch, nheads, seqlen_q). It reads K/V head h for query head h (no GQA), gives a row
 # that sees no key out 0 and LSE 0, and its backward takes rowsum(dO * O) from the out it is given (no dLSE input).
-ATEN_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+ATEN_FORWARD = torch._scaled_dot_product_flash_attention_for_cpu
 ATEN_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
@@ -354,6 +355,24 @@ def fused_serves(q: torch.Tensor, params: AttentionParams) -> bool:
     softmax_scale * q.k (it has no softcap, ALiBi, dropout or score_mod), under no mask, a causal mask or a window
     (which _pieces cuts into calls it computes exactly), and no block mask (whose mask_mod is arbitrary code)."""
     return q.device.type == "cpu" and params.plain and not params.sparse
+
+
+def aten_serves(q: torch.Tensor, k: torch.Tensor, params: AttentionParams) -> bool:
+    """Whether one call of ATen's fused kernel answers this dense call whole: no window, or a causal mask that is
+    its own top-left one (as many queries as keys, counting window_right); no sinks, fp32 results or varlen."""
+    if params.varlen or params.sinks is not None or params.fp32_results or not fused_serves(q, params):
+        return False
+    return not params.windowed or (params.right_only and k.shape[1] - q.shape[1] + params.window_right == 0)
+
+
+def aten_whole(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams) -> torch.Tensor:
+    """out of a call that aten_serves, made by ATen's op itself, so that torch's autograd formula for it (C++) takes
+    the gradients: an eager fwd+bwd then runs no Python in its backward. The op's LSE takes no gradient, so only
+    for callers that discard the LSE."""
+    dtype = _fused_dtype(q.dtype, params)
+    q_t, k_t, v_t = (_fused_input(x, dtype, q.shape[2]) for x in (q, k, v))
+    out, _ = ATEN_FORWARD(q_t, k_t, v_t, is_causal=params.windowed, attn_mask=None, scale=params.softmax_scale)
+    return _as(out.transpose(1, 2), q.dtype)
 
 
 def _fused_dtype(dtype: torch.dtype, params: AttentionParams) -> torch.dtype:
