@@ -139,26 +139,31 @@ def test_varlen_runs_the_kernel_per_sequence(calls):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_name)
 def test_the_kernel_computes_fp16_in_fp32(dtype, calls):
     """fp16 runs the kernel in fp32 (ATen's fp16 kernel is several times slower on CPUs without fp16 matrix units);
-    fp32 and bf16 run as they come. On both eager paths: with the LSE returned (our backward's kernel call), and
-    without (ATen's op under torch's autograd, whose backward torch calls)."""
+    fp32 and bf16 run as they come. With the LSE returned, the backward is our kernel call; without it, fp32 and
+    bf16 run ATen's op under torch's autograd, whose backward torch calls (fp16 keeps our Function: its fp32 copies
+    are not kept for the backward)."""
     q, k, v = random_qkv(Shape(1, 20, 20, 2, 2, 32), dtype, "cpu")
     flash_attn_func(q, k, v, return_attn_probs=True)[0].sum().backward()
     flash_attn_func(q, k, v).sum().backward()
     expected = torch.float32 if dtype == torch.float16 else dtype
-    assert [c[0] for c in calls] == ["fused", "fused grad", "fused"]
-    assert [c[-1] for c in calls] == [expected] * 3
+    kinds = ["fused", "fused grad"] * 2 if dtype == torch.float16 else ["fused", "fused grad", "fused"]
+    assert [c[0] for c in calls] == kinds
+    assert [c[-1] for c in calls] == [expected] * len(kinds)
 
 
-# (shape, options, ATen's op under torch's autograd): one kernel call answers a call whole without a window, or
-# with a causal mask that is the kernel's own top-left one (n_q == n_k, or window_right = n_q - n_k)
+# (shape, options, ATen's op under torch's autograd): where one kernel call answers a call whole on q, k, v as they
+# are: without a window, or with a causal mask that is the kernel's own top-left one (n_q == n_k, or window_right =
+# n_q - n_k); not with GQA, fp16 or a strided head dim (copies that its autograd would keep; test_whole_calls_keep_no_
+# copies)
 WHOLE_CASES = [
-    pytest.param(Shape(2, 37, 37, 4, 2, 40), {}, True, id="full-gqa"),
+    pytest.param(Shape(2, 37, 37, 3, 3, 40), {}, True, id="full"),
     pytest.param(Shape(1, 30, 50, 2, 2, 64), {}, True, id="full-q30-k50"),
-    pytest.param(Shape(2, 37, 37, 4, 1, 24), dict(causal=True), True, id="causal-mqa"),
+    pytest.param(Shape(2, 37, 37, 2, 2, 24), dict(causal=True), True, id="causal"),
     pytest.param(Shape(1, 40, 30, 2, 2, 32), dict(window_size=(-1, 10)), True, id="right-bound-top-left"),
+    pytest.param(Shape(1, 40, 40, 2, 2, 32), dict(softmax_scale=-0.3), True, id="negative-scale"),
     pytest.param(Shape(1, 30, 50, 2, 2, 32), dict(causal=True), False, id="causal-q30-k50"),
     pytest.param(Shape(1, 40, 40, 2, 2, 32), dict(window_size=(8, 0)), False, id="sliding-window"),
-    pytest.param(Shape(1, 40, 40, 2, 2, 32), dict(softmax_scale=-0.3), True, id="negative-scale"),
+    pytest.param(Shape(2, 37, 37, 4, 1, 24), dict(causal=True), False, id="causal-mqa"),
 ]
 
 
@@ -170,6 +175,7 @@ def test_whole_calls_take_atens_op_and_its_autograd(shape, options, whole, dtype
     the inputs' dtype."""
     q, k, v = random_qkv(shape, dtype, "cpu")
     out = flash_attn_func(q, k, v, **options)
+    whole = whole and dtype != torch.float16
     assert isinstance(out.grad_fn, ops._EagerAttention._backward_cls) != whole, type(out.grad_fn).__name__
     dout = torch.randn(q.shape, dtype=dtype)
     (out * dout).sum().backward()
@@ -277,3 +283,29 @@ def test_fused_path_repeats_bitwise(options):
     for other in runs[1:]:
         for name, a, b in zip(NAMES, runs[0], other, strict=True):
             assert torch.equal(a, b), f"{name} differs between two calls"
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "heads-first", "fp16", "gqa", "strided-head-dim"], ids=str)
+def test_whole_calls_keep_no_copies(layout):
+    """What autograd keeps for the backward of a plain call is q, k, v's own storage and the output's, whichever
+    eager path takes it: ATen's op on views of the inputs, or the autograd.Function for inputs it would copy."""
+    heads_k = 1 if layout == "gqa" else 4
+    dtype = torch.float16 if layout == "fp16" else torch.float32
+    shapes = [(1, 64, 4, 32), (1, 64, heads_k, 32), (1, 64, heads_k, 32)]
+    if layout == "heads-first":
+        q, k, v = (torch.randn(s[0], s[2], s[1], s[3]).transpose(1, 2).requires_grad_() for s in shapes)
+    elif layout == "strided-head-dim":
+        q, k, v = (torch.randn(*s[:3], 2 * s[3])[..., ::2].requires_grad_() for s in shapes)
+    else:
+        q, k, v = (torch.randn(s, dtype=dtype, requires_grad=True) for s in shapes)
+    kept = {}
+
+    def pack(x):
+        kept[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = flash_attn_func(q, k, v, causal=True)
+    inputs = {x.untyped_storage().data_ptr() for x in (q, k, v)}
+    others = [n for ptr, n in kept.items() if ptr not in inputs]
+    assert sum(others) <= out.untyped_storage().nbytes() + 4 * 64 * 4, kept  # the output, and an LSE

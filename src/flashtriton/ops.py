@@ -5,7 +5,8 @@ autograd formula.
 them through their fake implementations (no graph break). Their implementations ask route.py which kernels serve
 the call and run that family's launchers. Plain eager calls run the same implementations through a
 torch.autograd.Function with the same autograd formula (``attention`` chooses), skipping the ops' argument
-dispatch, which costs about as much host time as a small call's kernels.
+dispatch, which costs about as much host time as a small call's kernels; those that one call of ATen's fused CPU
+kernel answers whole run that ATen op under torch's own autograd (torch_backend.aten_serves).
 """
 
 from __future__ import annotations
@@ -207,7 +208,7 @@ def attention(
         out, lse = attention_forward(q, k, v, *schema.to_schema(params))
         return out, lse if params.write_lse else None
     dual = forward_ad._current_level >= 0  # the Function refuses duals; so does ATen's op
-    aten = not (keep_lse or dual) and torch_backend.aten_serves(q, k, params)
+    aten = not (keep_lse or dual) and torch_backend.aten_serves(q, k, v, params)
     if aten and route.forward(q, k, v, params).family == route.TORCH:  # (not the interpreter's kernels)
         return torch_backend.aten_whole(q, k, v, params), None
     sinks = params.sinks

@@ -357,22 +357,25 @@ def fused_serves(q: torch.Tensor, params: AttentionParams) -> bool:
     return q.device.type == "cpu" and params.plain and not params.sparse
 
 
-def aten_serves(q: torch.Tensor, k: torch.Tensor, params: AttentionParams) -> bool:
-    """Whether one call of ATen's fused kernel answers this dense call whole: no window, or a causal mask that is
-    its own top-left one (as many queries as keys, counting window_right); no sinks, fp32 results or varlen."""
+def aten_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams) -> bool:
+    """Whether one call of ATen's fused kernel answers this dense call whole, on q, k, v as they are: no window, or
+    a causal mask that is its own top-left one (as many queries as keys, counting window_right); no sinks, fp32
+    results or varlen; no GQA, fp16 or strided head dim. Those last three take copies (K/V heads repeated, fp32,
+    contiguous), which torch's autograd would keep for the backward where the autograd.Function keeps the inputs."""
     if params.varlen or params.sinks is not None or params.fp32_results or not fused_serves(q, params):
+        return False
+    if q.dtype == torch.float16 or q.shape[2] != k.shape[2] or not q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
         return False
     return not params.windowed or (params.right_only and k.shape[1] - q.shape[1] + params.window_right == 0)
 
 
 def aten_whole(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams) -> torch.Tensor:
-    """out of a call that aten_serves, made by ATen's op itself, so that torch's autograd formula for it (C++) takes
-    the gradients: an eager fwd+bwd then runs no Python in its backward. The op's LSE takes no gradient, so only
-    for callers that discard the LSE."""
-    dtype = _fused_dtype(q.dtype, params)
-    q_t, k_t, v_t = (_fused_input(x, dtype, q.shape[2]) for x in (q, k, v))
-    out, _ = ATEN_FORWARD(q_t, k_t, v_t, is_causal=params.windowed, attn_mask=None, scale=params.softmax_scale)
-    return _as(out.transpose(1, 2), q.dtype)
+    """out of a call that aten_serves, made by ATen's op itself on views of q, k, v, so that torch's autograd
+    formula for it (C++) takes the gradients: an eager fwd+bwd then runs no Python in its backward. The op's LSE
+    takes no gradient, so only for callers that discard the LSE."""
+    out, _ = ATEN_FORWARD(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=params.windowed,
+                          attn_mask=None, scale=params.softmax_scale)  # fmt: skip
+    return out.transpose(1, 2).contiguous()
 
 
 def _fused_dtype(dtype: torch.dtype, params: AttentionParams) -> torch.dtype:
