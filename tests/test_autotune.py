@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flashtriton import autotune, flash_attn_func, route, triton_backend
+from flashtriton.params import AttentionParams
 from helpers import TARGETS, Shape, assert_close_to_reference, random_qkv, reference_outputs
 
 
@@ -189,3 +190,16 @@ def test_an_inference_call_tunes_without_the_lse(target, shape, tuning, monkeypa
     exact = reference_outputs(q, k, v, dout, dlse, causal=True)
     plain = reference_outputs(q, k, v, dout, dlse, causal=True, compute_dtype=dtype)
     assert_close_to_reference("out", out, exact[0], plain[0])
+
+
+def test_tuning_keys_tell_softcap_levels_apart():
+    """A cap's tanh series (config.softcap_mode: fp32, or caps above SOFTCAP_SERIES_ABOVE) is another kernel: its
+    tuned config is not reused for a cap without it, nor a capped call's for an uncapped one."""
+    keys = {
+        cap: triton_backend._tuning_key(AttentionParams(0.125, softcap=cap), 64, torch.bfloat16, 1024, True)
+        for cap in (0.0, 30.0, 1000.0)
+    }
+    assert len(set(keys.values())) == 3, keys
+    assert keys[30.0] == triton_backend._tuning_key(
+        AttentionParams(0.125, softcap=50.0), 64, torch.bfloat16, 1024, True
+    )

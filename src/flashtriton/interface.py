@@ -239,7 +239,8 @@ def _params(
     """Validated user options as the AttentionParams every backend takes (window: check_window's). gradients: False
     for a call with no backward (its LSE only if asked for)."""
     left, right = causal_window(window, causal)
-    check_softcap(softcap)
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
+    check_softcap(softcap, scale)
     check_dropout(dropout_p)
     slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, batch, q.shape[-2], q.device)
     if sinks is not None:
@@ -247,7 +248,7 @@ def _params(
     watched = (q, k, v) if sinks is None else (q, k, v, sinks)
     needs_grad = gradients and torch.is_grad_enabled() and any(x.requires_grad for x in watched)
     return AttentionParams(
-        softmax_scale=resolve_softmax_scale(softmax_scale, q.shape[-1]), window_left=left, window_right=right,
+        softmax_scale=scale, window_left=left, window_right=right,
         softcap=float(softcap), alibi_slopes=slopes, dropout_p=float(dropout_p),
         dropout_seed=dropout.draw_seed() if dropout_p > 0 else None, deterministic=bool(deterministic),
         write_lse=bool(return_attn_probs) or needs_grad,  # an inference call writes no LSE, as SDPA's asks for none

@@ -353,8 +353,9 @@ def _tuning_key(p: AttentionParams, head_dim: int, dtype: torch.dtype, span: int
     """What a tuned config is chosen for beside the kernel family and the GPU (autotune.choose): the head dim, the
     dtype, the span's bucket, the features on, whether the LSE is written (an inference call's kernel writes none,
     and its best config may differ) and whether the results are fp32 (stored from registers on Hopper)."""
-    _, flags = _features(p, 0, dtype)  # the flags alone
-    features = tuple(name for name, on in sorted(flags.items()) if on and not name.startswith("SPARSE_BLOCK"))
+    _, flags = _features(p, 0, dtype)  # the flags alone; a level (SOFTCAP's) with its value
+    flags = sorted((name, on) for name, on in flags.items() if on and not name.startswith("SPARSE_BLOCK"))
+    features = tuple(f"{name}={on}" if type(on) is int else name for name, on in flags)
     written = (() if with_lse else ("no lse",)) + (("fp32 results",) if p.fp32_results else ())
     return head_dim, str(dtype).removeprefix("torch."), autotune.span_bucket(span), *features, *written
 

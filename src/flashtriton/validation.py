@@ -155,13 +155,16 @@ def check_dropout(dropout_p) -> float:
     return float(dropout_p)
 
 
-def check_softcap(softcap) -> float:
-    """softcap: a finite float >= 0 (0 disables it). Returns it as a float."""
+def check_softcap(softcap, softmax_scale: float) -> float:
+    """softcap: a finite float >= 0 (0 disables it), whose ratio to softmax_scale (checked) the kernels also take in
+    fp32 (an overflow to inf made a zero score NaN). Returns it as a float."""
     if not _is_real(softcap):
         raise TypeError(f"softcap must be a float (0.0 disables it), got {type(softcap).__name__}")
     if not (abs(softcap) < math.inf and softcap >= 0.0):  # NaN fails both; abs() traces, math.isfinite does not
         raise ValueError(f"softcap must be >= 0 and finite (0.0 disables it), got {softcap}")
     _check_fp32_range("softcap", softcap)
+    if softcap:
+        _check_fp32_range("softmax_scale / softcap", softmax_scale / softcap)
     return float(softcap)
 
 
