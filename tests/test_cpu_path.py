@@ -153,8 +153,8 @@ def test_the_kernel_computes_fp16_in_fp32(dtype, calls):
 
 # (shape, options, ATen's op under torch's autograd): where one kernel call answers a call whole on q, k, v as they
 # are: without a window, or with a causal mask that is the kernel's own top-left one (n_q == n_k, or window_right =
-# n_q - n_k); not with GQA, fp16 or a strided head dim (copies that its autograd would keep; test_whole_calls_keep_no_
-# copies)
+# n_q - n_k); not with GQA, fp16 or a strided head dim, whose copies its autograd would keep (see
+# test_whole_calls_keep_no_copies)
 WHOLE_CASES = [
     pytest.param(Shape(2, 37, 37, 3, 3, 40), {}, True, id="full"),
     pytest.param(Shape(1, 30, 50, 2, 2, 64), {}, True, id="full-q30-k50"),
@@ -167,6 +167,13 @@ WHOLE_CASES = [
 ]
 
 
+def _graph_nodes(node, depth: int = 4) -> list[str]:
+    """The names of the autograd nodes within ``depth`` steps of ``node``."""
+    if node is None or depth == 0:
+        return []
+    return [type(node).__name__, *(name for n, _ in node.next_functions for name in _graph_nodes(n, depth - 1))]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_name)
 @pytest.mark.parametrize("shape,options,whole", WHOLE_CASES)
 def test_whole_calls_take_atens_op_and_its_autograd(shape, options, whole, dtype):
@@ -176,7 +183,9 @@ def test_whole_calls_take_atens_op_and_its_autograd(shape, options, whole, dtype
     q, k, v = random_qkv(shape, dtype, "cpu")
     out = flash_attn_func(q, k, v, **options)
     whole = whole and dtype != torch.float16
-    assert isinstance(out.grad_fn, ops._EagerAttention._backward_cls) != whole, type(out.grad_fn).__name__
+    nodes = _graph_nodes(out.grad_fn)
+    assert ("ScaledDotProductFlashAttentionForCpuBackward0" in nodes) == whole, nodes
+    assert isinstance(out.grad_fn, ops._EagerAttention._backward_cls) != whole, nodes
     dout = torch.randn(q.shape, dtype=dtype)
     (out * dout).sum().backward()
     causal, scale = options.get("causal", False), options.get("softmax_scale")

@@ -62,6 +62,8 @@ CASES = {
     "softcap-subnormal": (qkv, {"softcap": 1e-40}, ValueError, "softcap = 1e-40 is outside fp32's range"),
     # each in range, their ratio (which the kernels take in fp32) not
     "softcap-ratio": (qkv, {"softcap": 1e-30, "softmax_scale": 1e30}, ValueError, "softmax_scale / softcap = 1e"),
+    # the kernels' tanh takes it times 2 log2(e): in range alone, out of it then
+    "softcap-ratio-times-2-log2e": (qkv, {"softcap": 1.0, "softmax_scale": 1.5e38}, ValueError, "softmax_scale / "),
     "alibi-shape": (qkv, {"alibi_slopes": torch.ones(2)}, ValueError, "alibi_slopes must have shape (4,)"),
     "alibi-batch": (qkv, {"alibi_slopes": torch.ones(3, 4)}, ValueError, "or (1, 4) (batch, nheads)"),
     "alibi-dtype": (qkv, {"alibi_slopes": torch.ones(4, dtype=torch.float64)}, TypeError, "alibi_slopes.float()"),

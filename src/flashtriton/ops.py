@@ -196,7 +196,8 @@ def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams, keep_lse: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Differentiable attention: (out, lse); lse is None when params.write_lse is False (an inference call, which
-    must need no gradient; the API asks for it only then) or keep_lse is False (the caller discards it).
+    must need no gradient; the API asks for it only then), and may be None when keep_lse is False (the caller
+    discards it).
 
     Plain eager tensors take the computation without the ops' dispatch; anything that watches or records ops goes
     through the custom ops: torch.compile / export, torch.jit.trace, a dispatch mode (make_fx, FlopCounterMode,

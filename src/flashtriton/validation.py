@@ -99,9 +99,10 @@ def resolve_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
     return float(softmax_scale)
 
 
-def _check_fp32_range(name: str, value: float) -> None:
-    """A finite scalar the kernels compute with in fp32 must stay finite and normal there (or be 0)."""
-    low, high = FP32_RANGE
+def _check_fp32_range(name: str, value: float, headroom: float = 1.0) -> None:
+    """A finite scalar the kernels compute with in fp32 must stay finite and normal there (or be 0): at most
+    FP32_RANGE's bound / headroom, for kernels that multiply it by up to 2 * headroom."""
+    low, high = FP32_RANGE[0], FP32_RANGE[1] / headroom
     if abs(value) > high or 0.0 < abs(value) < low:
         raise ValueError(f"{name} = {value} is outside fp32's range for the kernels: pass 0 or a magnitude from "
                          f"{low:.3g} to {high:.3g}")  # fmt: skip
@@ -156,15 +157,16 @@ def check_dropout(dropout_p) -> float:
 
 
 def check_softcap(softcap, softmax_scale: float) -> float:
-    """softcap: a finite float >= 0 (0 disables it), whose ratio to softmax_scale (checked) the kernels also take in
-    fp32 (an overflow to inf made a zero score NaN). Returns it as a float."""
+    """softcap: a finite float >= 0 (0 disables it). softmax_scale / softcap, which the kernels' tanh takes in fp32
+    times 2 log2(e), must stay in fp32's range too (an overflow to inf would make a zero score NaN). Returns softcap
+    as a float."""
     if not _is_real(softcap):
         raise TypeError(f"softcap must be a float (0.0 disables it), got {type(softcap).__name__}")
     if not (abs(softcap) < math.inf and softcap >= 0.0):  # NaN fails both; abs() traces, math.isfinite does not
         raise ValueError(f"softcap must be >= 0 and finite (0.0 disables it), got {softcap}")
     _check_fp32_range("softcap", softcap)
     if softcap:
-        _check_fp32_range("softmax_scale / softcap", softmax_scale / softcap)
+        _check_fp32_range("softmax_scale / softcap", softmax_scale / softcap, headroom=2.0)
     return float(softcap)
 
 
