@@ -209,9 +209,9 @@ def attention(
         out, lse = attention_forward(q, k, v, *schema.to_schema(params))
         return out, lse if params.write_lse else None
     dual = forward_ad._current_level >= 0  # the Function refuses duals; so does ATen's op
-    aten = not (keep_lse or dual) and torch_backend.aten_serves(q, k, v, params)
-    if aten and route.forward(q, k, v, params).family == route.TORCH:  # (not the interpreter's kernels)
-        return torch_backend.aten_whole(q, k, v, params), None
+    causal = None if keep_lse or dual else torch_backend.aten_serves(q, k, v, params)
+    if causal is not None and route.forward(q, k, v, params).family == route.TORCH:  # (not the interpreter's kernels)
+        return torch_backend.aten_whole(q, k, v, params, causal), None
     sinks = params.sinks
     learning = q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
     if not (torch.is_grad_enabled() and learning) and not dual:

@@ -357,27 +357,6 @@ def fused_serves(q: torch.Tensor, params: AttentionParams) -> bool:
     return q.device.type == "cpu" and params.plain and not params.sparse
 
 
-def aten_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams) -> bool:
-    """Whether one call of ATen's fused kernel answers this dense call whole, on q, k, v as they are: no window, or
-    a causal mask that is its own top-left one (as many queries as keys, counting window_right); no sinks, fp32
-    results or varlen; no GQA, fp16 or strided head dim. Those last three take copies (K/V heads repeated, fp32,
-    contiguous), which torch's autograd would keep for the backward where the autograd.Function keeps the inputs."""
-    if params.varlen or params.sinks is not None or params.fp32_results or not fused_serves(q, params):
-        return False
-    if q.dtype == torch.float16 or q.shape[2] != k.shape[2] or not q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
-        return False
-    return not params.windowed or (params.right_only and k.shape[1] - q.shape[1] + params.window_right == 0)
-
-
-def aten_whole(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams) -> torch.Tensor:
-    """out of a call that aten_serves, made by ATen's op itself on views of q, k, v, so that torch's autograd
-    formula for it (C++) takes the gradients: an eager fwd+bwd then runs no Python in its backward. The op's LSE
-    takes no gradient, so only for callers that discard the LSE."""
-    out, _ = ATEN_FORWARD(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=params.windowed,
-                          attn_mask=None, scale=params.softmax_scale)  # fmt: skip
-    return out.transpose(1, 2).contiguous()
-
-
 def _fused_dtype(dtype: torch.dtype, params: AttentionParams) -> torch.dtype:
     """The dtype the fused kernel runs in. fp16 runs as fp32: without fp16 matrix units (most CPUs) ATen's fp16
     kernel converts in its inner loops and is several times slower than its fp32 one, its backward most of all. So do
@@ -413,14 +392,14 @@ def _pieces(n_q: int, n_k: int, params: AttentionParams, dtype: torch.dtype) -> 
     """
     if n_q == 0 or n_k == 0:
         return []
-    if not params.windowed:
-        return [_Piece(0, n_q, 0, n_k)]
-    if params.right_only:
+    causal = _one_call(n_q, n_k, params)
+    if causal is not None:
+        return [_Piece(0, n_q, 0, n_k, causal=causal)]
+    if params.right_only:  # 0 < d < n_k, or d < 0
         d = n_k - n_q + params.window_right
-        if d <= 0:
+        if d < 0:
             return [_Piece(-d, n_q, 0, n_k, causal=True)] if -d < n_q else []
-        unmasked = _Piece(0, n_q, 0, min(d, n_k))
-        return [unmasked, _Piece(0, n_q, d, n_k, causal=True)] if d < n_k else [unmasked]
+        return [_Piece(0, n_q, 0, d), _Piece(0, n_q, d, n_k, causal=True)]
     pieces = []
     for m0 in range(0, n_q, TORCH_BLOCK_M):
         m1 = min(m0 + TORCH_BLOCK_M, n_q)
@@ -437,6 +416,40 @@ def _pieces(n_q: int, n_k: int, params: AttentionParams, dtype: torch.dtype) -> 
         mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
         pieces.append(_Piece(m0, m1, n0, n1, mask=mask, seeing=visible.any(-1)))
     return pieces
+
+
+def _one_call(n_q: int, n_k: int, params: AttentionParams) -> bool | None:
+    """Whether one kernel call answers every query against every key (no window, or a right bound at d = n_k - n_q
+    + window_right that is the kernel's top-left causal mask, d = 0, or hides nothing, d >= n_k): its is_causal, or
+    None where the call takes other pieces (_pieces)."""
+    if not params.windowed:
+        return False
+    if params.right_only:
+        d = n_k - n_q + params.window_right
+        if d == 0 or d >= n_k:
+            return d == 0
+    return None
+
+
+def aten_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams) -> bool | None:
+    """The is_causal of the one call of ATen's fused kernel that answers this dense call whole (_one_call), on q, k,
+    v as they are; None where there is none, and for sinks, fp32 results, varlen, GQA, fp16 or a strided head dim.
+    Those last three take copies (K/V heads repeated, fp32, contiguous), which torch's autograd would keep for the
+    backward where the autograd.Function keeps the inputs."""
+    if params.varlen or params.sinks is not None or params.fp32_results or not fused_serves(q, params):
+        return None
+    if q.dtype == torch.float16 or q.shape[2] != k.shape[2] or not q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
+        return None
+    return _one_call(q.shape[1], k.shape[1], params) if q.shape[1] and k.shape[1] else None
+
+
+def aten_whole(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams, causal: bool):
+    """out of a call that aten_serves (causal: its answer), made by ATen's op itself on views of q, k, v, so that
+    torch's autograd formula for it (C++) takes the gradients: an eager fwd+bwd then runs no Python in its
+    backward. The op's LSE takes no gradient, so only for callers that discard the LSE."""
+    out, _ = ATEN_FORWARD(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                          attn_mask=None, scale=params.softmax_scale)  # fmt: skip
+    return out.transpose(1, 2).contiguous()
 
 
 def _fused_input(x: torch.Tensor, dtype: torch.dtype, heads: int) -> torch.Tensor:
