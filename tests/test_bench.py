@@ -10,6 +10,7 @@ import itertools
 import json
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,21 @@ def test_the_gpu_timer_times_each_call():
     x = torch.randn(2048, 2048, device="cuda")
     small, large = timing.device_timer(torch.device("cuda"))([lambda: x @ x, lambda: [x @ x for _ in range(8)]])
     assert small > 0 and large > 4 * small
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_gpu_timer_kept_ahead_times_the_device_alone():
+    """A call whose host takes 1 ms to launch a short kernel: the plain timer reads the host's wait between its
+    events, the timer kept ahead of the host (the decode suite's) the kernel alone."""
+    x = torch.randn(1024, 1024, device="cuda")
+
+    def slow_host():
+        time.sleep(1e-3)
+        return x @ x
+
+    (plain,) = timing.device_timer(torch.device("cuda"))([slow_host])
+    (ahead,) = timing.device_timer(torch.device("cuda"), ahead=True)([slow_host])
+    assert plain > 0.8 and ahead < 0.5
 
 
 def test_gpu_providers_are_unavailable_on_cpu():

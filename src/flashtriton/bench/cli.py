@@ -31,7 +31,7 @@ from .summary import (
     skipped_lines,
     unavailable_lines,
 )
-from .timing import HOST_PASSES, TIMING, host_calls, run_case
+from .timing import HOST_PASSES, TIMING, TIMING_AHEAD, host_calls, run_case
 from .users_calls import USERS_DEFINITIONS, USERS_GPU_ONLY, USERS_PROVIDERS, attach_users_ratios, run_user_case
 
 TOKENS, HIDDEN = 16384, 2048  # the FlashAttention-2 paper's sweep: batch * seqlen and heads * headdim
@@ -209,7 +209,7 @@ def decode_suite(args: argparse.Namespace, device: torch.device) -> Suite:
         notes.append(f"no CUDA GPU: a tiny case per seqlen_q and cache layout, {dtype}")
     notes += skipped_lines(skipped)
     sweep = {"suite": "decode", "modes": list(decode_calls.MODES), "providers": chosen, "dtype": dtype}
-    sweep.update(rounds=args.rounds, timing=TIMING, host_calls=host_calls(device, decode_calls.HOST_CALLS))
+    sweep.update(rounds=args.rounds, timing=TIMING_AHEAD, host_calls=host_calls(device, decode_calls.HOST_CALLS))
     sweep.update(host_passes=HOST_PASSES)
     sweep.update(memory_budget_bytes=decode.MEMORY_BUDGET, skipped=skipped)
 

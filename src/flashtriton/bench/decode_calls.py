@@ -29,7 +29,10 @@ DECODE_DEFINITIONS = {  # results.json's fields where the decode suite's differ 
     "K/V heads; page_size 0: a contiguous (batch, cache_len, heads_k, head_dim) cache, else pages of page_size rows "
     "in a shuffled block table; causal aligned bottom-right. Peers read contiguous (batch, heads_k, cache_len, "
     "head_dim) copies of the cache, paged cases too",
-    "ms": "fwd: device milliseconds per call, as the paper sweep's; host: wall milliseconds per call over blocks of "
+    "ms": "fwd: device milliseconds per call, as the paper sweep's but with L2 flushed by a read (a written flush's "
+    "dirty lines would be written back during the call) and the GPU kept ahead of the host (a spin before each timed "
+    "call, three times the longest host time of the calls: timing.TIMING_AHEAD), so that neither shows in the call's "
+    "device time; host: wall milliseconds per call over blocks of "
     f"calls ({HOST_CALLS} on a GPU) with one synchronize after each block, the median block, the median over the "
     "rounds (the host's time per call where the device keeps up, else the device's)",
     "tb_per_s": "fwd: effective bandwidth in TB/s (1e12 bytes/s): the bytes of K and V of every sequence's attended "
@@ -224,5 +227,5 @@ def run_decode_case(case: DecodeCase, providers, device: torch.device, rounds: i
     inputs = DecodeInputs(case, device)
     trials = [DecodeTrial(Result(case, p), device, inputs) for p in providers]
     del inputs  # the trials let go of it as they finish: freed before run_trials empties the allocator's cache
-    timers = {"fwd": device_timer(device), "host": host_timer(device, HOST_CALLS)}
+    timers = {"fwd": device_timer(device, ahead=True), "host": host_timer(device, HOST_CALLS)}
     return run_trials(trials, device, timers, rounds)

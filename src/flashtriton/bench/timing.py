@@ -5,6 +5,7 @@ of calls), the medians over the rounds."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -17,6 +18,12 @@ from .cases import MODES, Case, Result
 from .providers import GPU_ONLY, PROVIDERS
 
 TIMING = "in turn"  # how a round times its providers (device_timer); runs from before timed each in a block
+# device_timer(ahead=True): L2 flushed by a read, and the GPU kept ahead of the host by a spin before each timed call,
+# as long as this many times the longest of the calls' host times (plus AHEAD_MIN_MS), so that a slow phase of the host
+# stays hidden too
+TIMING_AHEAD = "in turn, ahead"
+AHEAD_MARGIN = 3.0
+AHEAD_MIN_MS = 0.05
 HOST_CALLS = 200  # calls per host-time block on a GPU, one synchronize after the block
 CPU_HOST_CALLS = 10  # on a CPU each call finishes before it returns: a short block does
 HOST_PASSES = 3  # blocks per provider in a round of host time
@@ -48,11 +55,19 @@ def _in_turn(n: int, passes: int, take: Callable[[int], Any]) -> list[list]:
     return taken
 
 
-def device_timer(device: torch.device) -> Callable[[list[Callable]], list[float]]:
+def device_timer(device: torch.device, ahead: bool = False) -> Callable[[list[Callable]], list[float]]:
     """``time_all(calls)``: each call's median milliseconds, the calls timed one of each in turn rather than one
     after another in blocks: a GPU at its power cap drifts in clock under load, and a block's place in a round
-    then decided its time by up to 10%. Raises _CallFailed for a call that raises."""
-    return _cuda_in_turn if device.type == "cuda" else _cpu_in_turn
+    then decided its time by up to 10%. Raises _CallFailed for a call that raises.
+
+    On a GPU a timed call follows an L2 flush; where its host time is longer than the flush, the GPU waits for its
+    launches between the events, and the host's time shows as the device's. ``ahead``: a spin kernel before each
+    timed call keeps the GPU's queue ahead of the host (TIMING_AHEAD), and the flush reads instead of writing (a
+    written one leaves L2 full of dirty lines, whose write-back the timed call would pay), so that the events time
+    the device's work for the call alone."""
+    if device.type != "cuda":
+        return _cpu_in_turn
+    return functools.partial(_cuda_in_turn, ahead=ahead)
 
 
 def _cpu_in_turn(calls: list[Callable]) -> list[float]:
@@ -97,13 +112,22 @@ def host_timer(device: torch.device, gpu_calls: int = HOST_CALLS) -> Callable[[l
     return time_all
 
 
-def _cuda_in_turn(calls: list[Callable], warmup_ms: float = 25.0, rep_ms: float = 100.0) -> list[float]:
+def _cuda_in_turn(
+    calls: list[Callable], warmup_ms: float = 25.0, rep_ms: float = 100.0, ahead: bool = False
+) -> list[float]:
     """As triton.testing.do_bench (L2 flushed before every call, events around it), but the calls taken in turn:
-    about warmup_ms of untimed passes, then about rep_ms * len(calls) of timed ones (at least 5)."""
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    about warmup_ms of untimed passes, then about rep_ms * len(calls) of timed ones (at least 5). ``ahead``:
+    device_timer's; the spins count in those milliseconds."""
+    flush = torch.zeros(256 * 2**20, dtype=torch.int8, device="cuda")
+    spin = [0, 0.0]  # cycles of each spin (ahead), and its milliseconds
 
     def timed(i):
-        flush.zero_()
+        if ahead:  # read: a written flush leaves L2 dirty, its write-back charged to the timed call's reads
+            flush.sum()
+        else:
+            flush.zero_()
+        if spin[0]:
+            torch.cuda._sleep(spin[0])
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         _call(calls, i)
@@ -114,9 +138,33 @@ def _cuda_in_turn(calls: list[Callable], warmup_ms: float = 25.0, rep_ms: float 
         torch.cuda.synchronize()
         return [statistics.median(start.elapsed_time(end) for start, end in pairs) for pairs in events]
 
+    def host_ms(i):
+        """The host's milliseconds to make call i (its launches, not its kernels)."""
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        _call(calls, i)
+        return (time.perf_counter() - start) * 1e3
+
+    if ahead:
+        spin[1] = AHEAD_MARGIN * max(statistics.median(ms) for ms in _in_turn(len(calls), 5, host_ms)) + AHEAD_MIN_MS
+        spin[0] = int(spin[1] * _spin_cycles_per_ms())
     pass_ms = max(sum(elapsed(_in_turn(len(calls), 5, timed))), 1e-3)
     _in_turn(len(calls), max(1, int(warmup_ms / pass_ms)), lambda i: _call(calls, i))
-    return elapsed(_in_turn(len(calls), max(5, int(rep_ms * len(calls) / pass_ms)), timed))
+    passes = rep_ms * len(calls) / (pass_ms + len(calls) * spin[1])
+    return elapsed(_in_turn(len(calls), max(5, int(passes)), timed))
+
+
+@functools.cache
+def _spin_cycles_per_ms() -> float:
+    """Cycles of torch.cuda._sleep per millisecond on the current GPU (its clock under this load)."""
+    cycles = 2**22
+    torch.cuda._sleep(cycles)  # the clock ramps up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / start.elapsed_time(end)
 
 
 def _standard_fits(case: Case, device: torch.device) -> bool:
