@@ -121,11 +121,14 @@ def main() -> None:
     path = Path(args.results)
     payload = json.loads(path.read_text())
     env = payload["environment"]
+    if payload["sweep"].get("timing") == "in turn, ahead":
+        flush = "L2 flushed by a read before each call and the GPU kept ahead of the host by a spin (the kernels alone)"
+    else:
+        flush = "L2 flushed before each call (a call whose host time exceeds its kernels' shows its host time)"
     note = (
         f"{env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, {payload['sweep']['dtype']}; "
-        f"source digest {env.get('source_digest')}. Device ms: median per call, L2 flushed before each call, the "
-        "providers' calls in turn (a call whose host time exceeds its kernels' shows its host time); host µs: wall "
-        "clock per call over blocks of calls."
+        f"source digest {env.get('source_digest')}. Device ms: median per call, {flush}, the providers' calls in "
+        "turn; host µs: wall clock per call over blocks of calls."
     )
     (path.parent / "README.md").write_text(f"# Decode suite\n\n{note}\n\n{full_table(payload)}\n")
     plot(payload, path.parent / "decode.png")
