@@ -243,3 +243,30 @@ def test_fp32_results_trace_as_fp32(backend):
     for x, eager in zip(compiled, step(q, k, v), strict=True):
         assert x.dtype == torch.float32
         torch.testing.assert_close(x, eager, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", NOT_INTERPRETED, ids=str, indirect=True)
+def test_flop_counter_counts_as_it_counts_sdpa(backend):
+    """FlopCounterMode counts an eager fwd+bwd through the ops as torch counts SDPA's: every (query, key) pair, per
+    sequence of a varlen call, 2 (d + dv) forward and 2 (3 d + 2 dv) backward per pair and query head."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+    def counted(loss_of, inputs):
+        with FlopCounterMode(display=False) as counter:
+            loss_of(*inputs).float().sum().backward()
+        counts = counter.get_flop_counts()["Global"]
+        return counts[torch.ops.flashtriton.attention_forward], counts[torch.ops.flashtriton.attention_backward]
+
+    device = backend.device
+    q, k, v = (x.detach().repeat_interleave(2, dim=2).requires_grad_() if x.shape[2] == 2 else x for x in
+               _inputs(device))  # fmt: skip
+    shape = (q.shape[0], q.shape[2], q.shape[1], q.shape[3])  # MHA, (B, H, N, D): SDPA's count
+    assert counted(lambda q, k, v: ft.flash_attn_func(q, k, v, causal=True), (q, k, v)) == (
+        sdpa_flop_count(shape, shape, shape),
+        sdpa_backward_flop_count(shape, shape, shape, shape),
+    )
+    q, k, v, cu = _packed(device)  # GQA 4/2, sequences of 5, 32 and 37 rows
+    pairs = 5 * 5 + 32 * 32 + 37 * 37
+    heads, dim = q.shape[1], q.shape[2]
+    forward, backward = counted(lambda q, k, v: ft.flash_attn_varlen_func(q, k, v, cu, cu, 37, 37), (q, k, v))
+    assert (forward, backward) == (2 * heads * pairs * 2 * dim, 2 * heads * pairs * 5 * dim)

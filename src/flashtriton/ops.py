@@ -18,6 +18,7 @@ from types import ModuleType
 import torch
 from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 from . import route, schema, tables, torch_backend
 from .params import AttentionParams, final_lse, keyless_lse, lse_shape, sinks_grad
@@ -117,6 +118,40 @@ attention_backward = torch.library.custom_op(
     "-> (Tensor, Tensor, Tensor, Tensor)",
 )  # fmt: skip
 attention_backward.register_fake(_backward_fake)
+
+
+# FLOPs for torch.utils.flop_counter.FlopCounterMode, counted as it counts SDPA's (its fused kernels' ops): every
+# (query, key) pair of the call, those a causal mask, window or block mask hides included; per pair and query head,
+# 2 (d + dv) forward (Q K^T, P V) and 2 (3 d + 2 dv) backward (Q K^T again, dO V^T, P^T dO, dS K, dS^T Q), with the head
+# dims the kernels take (a head dim not a multiple of 8 padded: interface.py)
+
+
+def _query_key_pairs(q: torch.Tensor, k: torch.Tensor, p: AttentionParams) -> int:
+    """(query, key) pairs of a call: a varlen call's per sequence, from cu_seqlens' values where they are real (in a
+    trace, fake: every sequence at max_seqlen, as torch counts a nested SDPA call)."""
+    if not p.varlen:
+        return q.shape[0] * q.shape[1] * k.shape[1]
+    offsets = p.cu_seqlens_q, p.cu_seqlens_k
+    if any(type(x) is not torch.Tensor or x.device.type == "meta" for x in offsets):
+        return (offsets[0].shape[0] - 1) * p.max_seqlen_q * p.max_seqlen_k
+    starts_q, starts_k = (host_read(x, "values", torch.Tensor.tolist) for x in offsets)
+    return sum((b - a) * (d - c) for (a, b), (c, d) in zip(pairwise(starts_q), pairwise(starts_k), strict=True))
+
+
+def _forward_flops(q, k, v, *fields, out_val=None) -> int:
+    pairs = _query_key_pairs(q, k, schema.from_schema(fields))
+    return 2 * q.shape[-2] * pairs * (q.shape[-1] + v.shape[-1])
+
+
+def _backward_flops(dout, dlse, q, k, v, out, lse, *fields, out_val=None) -> int:
+    pairs = _query_key_pairs(q, k, schema.from_schema(fields))
+    return 2 * q.shape[-2] * pairs * (3 * q.shape[-1] + 2 * v.shape[-1])
+
+
+for _op, _flops in ((torch.ops.flashtriton.attention_forward, _forward_flops),
+                    (torch.ops.flashtriton.attention_backward, _backward_flops)):  # fmt: skip
+    if _op not in flop_registry:  # a second import of this module (a reload) finds them registered
+        register_flop_formula(_op, get_raw=True)(_flops)
 
 
 # The autograd formula, for the op (traced calls) and the Function (eager calls) alike: _gradients, with the
