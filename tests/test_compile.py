@@ -270,3 +270,17 @@ def test_flop_counter_counts_as_it_counts_sdpa(backend):
     heads, dim = q.shape[1], q.shape[2]
     forward, backward = counted(lambda q, k, v: ft.flash_attn_varlen_func(q, k, v, cu, cu, 37, 37), (q, k, v))
     assert (forward, backward) == (2 * heads * pairs * 2 * dim, 2 * heads * pairs * 5 * dim)
+    # paged keys, (pages, 16 rows, K/V heads, dim): the pairs of the sequences' lengths, not of the pages' rows
+    k_pages, v_pages = (torch.randn(9, 16, 2, dim, device=device) for _ in range(2))
+    table = torch.arange(9, dtype=torch.int32, device=device).view(3, 3)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        ft.flash_attn_varlen_func(q, k_pages, v_pages, cu, cu, 37, 37, block_table=table)
+    assert counter.get_total_flops() == 2 * heads * pairs * 2 * dim
+    # fake cu_seqlens (a trace's): every sequence at max_seqlen, as torch counts a nested SDPA call
+    real = q.detach(), k.detach(), v.detach(), cu
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake_q, fake_k, fake_v, fake_cu = (mode.from_tensor(x) for x in real)
+        fake = AttentionParams(0.25, cu_seqlens_q=fake_cu, cu_seqlens_k=fake_cu, max_seqlen_q=37, max_seqlen_k=37)
+        with FlopCounterMode(display=False) as counter:
+            torch.ops.flashtriton.attention_forward(fake_q, fake_k, fake_v, *schema.to_schema(fake))
+    assert counter.get_total_flops() == 2 * heads * 3 * 37 * 37 * 2 * dim

@@ -12,12 +12,11 @@ results.json and in the output: B64 L128k D128 (34 GB of cache, 69 GB held) in e
 Peers: cuDNN SDPA and SDPA's FlashAttention-2 backend (enable_gqa) on contiguous (B, H_KV, L, D) copies of the cache,
 their best ordinary setup (paged cases too: neither reads a block table), and FlexAttention compiled for the shape.
 
-On a GPU: 138 cases (144, 6 skipped), estimated (a model of the timers, not yet measured) at 23-36 minutes on an
-H100 or H200: the device timer (an L2 flush before each of a small case's many calls), FlexAttention's compiles (one
-per shape, its layouts share it) and the host time (blocks of decode_calls.HOST_CALLS calls; a large cache's are
-device-bound). PARTS parts of 5-8 minutes each: --part 1/5, then --part 2/5 --resume .../results.json, and so on (a
-part cut short resumes like any run). Without a GPU: a tiny case per seqlen_q and layout on the CPU (the PyTorch
-path), SDPA's default as the peer that runs there.
+On a GPU: 138 cases (144, 6 skipped), most of their time the device timer's, FlexAttention's compiles (one per
+shape, its layouts share it) and the host time (blocks of decode_calls.HOST_CALLS calls; a large cache's are
+device-bound); the README says how long a run took. PARTS parts: --part 1/5, then --part 2/5 --resume
+.../results.json, and so on (a part cut short resumes like any run). Without a GPU: a tiny case per seqlen_q and
+layout on the CPU (the PyTorch path), SDPA's default as the peer that runs there.
 """
 
 from __future__ import annotations

@@ -90,12 +90,12 @@ def format_decode_table(results: list[Result]) -> str:
 
 
 DECODE_LEGEND = (
-    "ms: device time per call (median; L2 flushed before each call, every provider's calls in turn); TB/s: the bytes\n"
-    "of K and V attended (2 * B * L * H_KV * D * itemsize) / ms; host us: wall time per call over blocks of calls\n"
-    f"with one synchronize; x ms, x host: peer / {OURS} (above 1: {OURS} is faster). q4 cases are causal, aligned\n"
-    "bottom-right. sdpa-cudnn and sdpa-flash (SDPA pinned to cuDNN or FlashAttention-2, enable_gqa) and flex\n"
-    "(FlexAttention compiled for the shape) read contiguous (B, H_KV, L, D) copies of the cache, paged cases too;\n"
-    "sdpa: SDPA's own choice (CPU runs)"
+    "ms: device time per call (median; on a GPU L2 flushed by a read before each call and the GPU kept ahead of the\n"
+    "host, so that the kernels alone are timed; every provider's calls in turn); TB/s: the bytes of K and V attended\n"
+    "(2 * B * L * H_KV * D * itemsize) / ms; host us: wall time per call over blocks of calls with one synchronize;\n"
+    f"x ms, x host: peer / {OURS} (above 1: {OURS} is faster). q4 cases are causal, aligned bottom-right. sdpa-cudnn\n"
+    "and sdpa-flash (SDPA pinned to cuDNN or FlashAttention-2, enable_gqa) and flex (FlexAttention compiled for the\n"
+    "shape) read contiguous (B, H_KV, L, D) copies of the cache, paged cases too; sdpa: SDPA's own choice (CPU runs)"
 )
 
 

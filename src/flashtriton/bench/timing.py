@@ -64,7 +64,8 @@ def device_timer(device: torch.device, ahead: bool = False) -> Callable[[list[Ca
     launches between the events, and the host's time shows as the device's. ``ahead``: a spin kernel before each
     timed call keeps the GPU's queue ahead of the host (TIMING_AHEAD), and the flush reads instead of writing (a
     written one leaves L2 full of dirty lines, whose write-back the timed call would pay), so that the events time
-    the device's work for the call alone."""
+    the device's work for the call alone; a call that synchronizes inside (a host read) still shows the host's time
+    after that."""
     if device.type != "cuda":
         return _cpu_in_turn
     return functools.partial(_cuda_in_turn, ahead=ahead)
@@ -118,16 +119,16 @@ def _cuda_in_turn(
     """As triton.testing.do_bench (L2 flushed before every call, events around it), but the calls taken in turn:
     about warmup_ms of untimed passes, then about rep_ms * len(calls) of timed ones (at least 5). ``ahead``:
     device_timer's; the spins count in those milliseconds."""
-    flush = torch.zeros(256 * 2**20, dtype=torch.int8, device="cuda")
-    spin = [0, 0.0]  # cycles of each spin (ahead), and its milliseconds
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    spin_cycles, spin_ms = 0, 0.0  # each spin's (ahead), set before the first timed call
 
     def timed(i):
         if ahead:  # read: a written flush leaves L2 dirty, its write-back charged to the timed call's reads
             flush.sum()
         else:
             flush.zero_()
-        if spin[0]:
-            torch.cuda._sleep(spin[0])
+        if spin_cycles:
+            torch.cuda._sleep(spin_cycles)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         _call(calls, i)
@@ -146,17 +147,18 @@ def _cuda_in_turn(
         return (time.perf_counter() - start) * 1e3
 
     if ahead:
-        spin[1] = AHEAD_MARGIN * max(statistics.median(ms) for ms in _in_turn(len(calls), 5, host_ms)) + AHEAD_MIN_MS
-        spin[0] = int(spin[1] * _spin_cycles_per_ms())
+        spin_ms = AHEAD_MARGIN * max(statistics.median(ms) for ms in _in_turn(len(calls), 5, host_ms)) + AHEAD_MIN_MS
+        spin_cycles = int(spin_ms * _spin_cycles_per_ms(torch.cuda.current_device()))
     pass_ms = max(sum(elapsed(_in_turn(len(calls), 5, timed))), 1e-3)
     _in_turn(len(calls), max(1, int(warmup_ms / pass_ms)), lambda i: _call(calls, i))
-    passes = rep_ms * len(calls) / (pass_ms + len(calls) * spin[1])
+    passes = rep_ms * len(calls) / (pass_ms + len(calls) * spin_ms)
     return elapsed(_in_turn(len(calls), max(5, int(passes)), timed))
 
 
 @functools.cache
-def _spin_cycles_per_ms() -> float:
-    """Cycles of torch.cuda._sleep per millisecond on the current GPU (its clock under this load)."""
+def _spin_cycles_per_ms(device: int) -> float:
+    """Cycles of torch.cuda._sleep per millisecond on GPU ``device`` (the current one), read once after a spin that
+    raises its clock (a clock higher later makes the spins shorter: AHEAD_MARGIN leaves room)."""
     cycles = 2**22
     torch.cuda._sleep(cycles)  # the clock ramps up
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
