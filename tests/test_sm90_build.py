@@ -91,42 +91,38 @@ def _check(results: dict, expected: dict) -> None:
             assert built[kernel] <= SPILLS.get((head_dim, case, kernel), 0), (head_dim, case, kernel, built[kernel])
 
 
-def test_sm90_kernels_build():
+# one build per head dim, so that two test workers share them (each is a process that compiles for a minute)
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 80])
+def test_sm90_kernels_build(head_dim):
     """The forward at D = 64, 128 and 256, dense, causal and causal with sinks (whose forward spills no more than
     without); the fused dK/dV at each D (at 256 split across the warpgroups by columns); the dQ kernel and dK/dV after
-    it (D=128 causal: below its fused span); D=80 in 128-wide tiles, fused."""
+    it (D=128 causal: below its fused span); D=80 in 128-wide tiles, fused, dense."""
     fused = {FORWARD, DKDV}
-    expected = {
-        (64, "dense"): fused,
-        (64, "causal"): fused,
-        (64, "causal sinks"): fused,
-        (128, "dense"): fused,
-        (128, "causal"): {FORWARD, DQ, DKDV},
-        (128, "causal sinks"): {FORWARD, DQ, DKDV},
-        (256, "dense"): fused,
-        (256, "causal"): fused,
-        (256, "causal sinks"): fused,
-    }
-    _check(_build([64, 128, 256], ["dense", "causal", "causal sinks"]), expected)
-    _check(_build([80], ["dense"]), {(80, "dense"): fused})
+    cases = ["dense"] if head_dim == 80 else ["dense", "causal", "causal sinks"]
+    expected = {(head_dim, case): fused for case in cases}
+    if head_dim == 128:
+        expected[128, "causal"] = expected[128, "causal sinks"] = {FORWARD, DQ, DKDV}
+    _check(_build([head_dim], cases), expected)
 
 
-def test_sm90_fp32_results_build():
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+def test_sm90_fp32_results_build(head_dim):
     """Calls that ask for fp32 results (ring attention's steps) at each D, causal: O, dK and dV, and the dQ kernel's
     dQ stored from registers; fused dK/dV at 64 and 256 (split across the warpgroups by columns), the dQ kernel and
     dK/dV after it at 128 and at 80 (128-wide tiles, whose register stores drop the columns past 80)."""
-    fused, pair = {FORWARD, DKDV}, {FORWARD, DQ, DKDV}
-    expected = {(64, "causal fp32"): fused, (128, "causal fp32"): pair, (256, "causal fp32"): fused}
-    expected[80, "causal fp32"] = pair
-    _check(_build([64, 80, 128, 256], ["causal"], fp32_results=True), expected)
+    kernels = {FORWARD, DQ, DKDV} if head_dim in (80, 128) else {FORWARD, DKDV}
+    _check(_build([head_dim], ["causal"], fp32_results=True), {(head_dim, "causal fp32"): kernels})
 
 
 @pytest.mark.slow
-def test_sm90_banded_and_varlen_kernels_build():
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_sm90_banded_and_varlen_kernels_build(head_dim):
     """A causal sliding window and packed (varlen) sequences of whole tiles, at each Gluon head dim."""
-    expected = {(d, case): {FORWARD, DKDV} for d in (64, 128, 256) for case in ("window", "varlen tiles")}
-    expected[128, "window"] = expected[128, "varlen tiles"] = {FORWARD, DQ, DKDV}
-    _check(_build([64, 128, 256], ["window", "varlen tiles"]), expected)
+    kernels = {FORWARD, DQ, DKDV} if head_dim == 128 else {FORWARD, DKDV}
+    _check(
+        _build([head_dim], ["window", "varlen tiles"]),
+        {(head_dim, case): kernels for case in ("window", "varlen tiles")},
+    )
 
 
 def test_ring_merge_kernels_build():
