@@ -46,7 +46,7 @@ def _config(arch, head_dim, dtype, rows, pairs, capacity, sms, num_splits, page_
         return chosen
     block_n, warps, stages, splits = _forced["config"]
     splits = max(1, min(splits, -(-capacity // block_n)))
-    by_tile = config.tile_pages(arch, block_n, capacity, page_size)
+    by_tile = config.tile_pages(block_n, page_size)
     registers = chosen.max_registers if warps == chosen.num_warps else None  # the table's cap holds for its warps
     return config.DecodeConfig(chosen.block_m, block_n, warps, stages, splits, by_tile, registers)
 

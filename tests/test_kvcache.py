@@ -68,15 +68,27 @@ def _cases(tiny: bool) -> list[Case]:
             base, page_size=16, capacity=64, seqlens=(15, 30), n_new=3, n_q=3, options=dict(causal=True)
         ),
         "paged-256": replace(base, page_size=256, capacity=512, seqlens=(250, 40), n_new=8, n_q=2, heads_k=1),
-        # pages smaller than a tile: its rows' pages by a read each, pages not a power of two, tiles over three pages
-        # (the interpreter's tiles of 16; on the GPU tiles of 128 read each row's entry)
+        # pages that do not divide a tile (the interpreter's tiles of 16, the GPU's of 32-256): an entry per row,
+        # tiles over three pages
         "paged-12-leftpad": replace(
             base, page_size=12, capacity=48, leftpad=(10, 20), seqlens=(27, 33), n_new=2, n_q=2
         ),
-        # pages too small for that (config.DECODE_TILE_PAGES_MAX_READS): a block-table entry per row
+        # pages too small to read by tile (more than config.DECODE_TILE_PAGES_MAX_READS a tile): an entry per row
         "paged-1": replace(base, page_size=1, capacity=40, seqlens=(21, 36), n_new=2, n_q=2, options=dict(causal=True)),
-        # pages of a tile or more: a tile's rows from two block-table entries, its tiles crossing pages (leftpad, a
-        # window's unaligned first key)
+        # tiles of whole pages (four a tile in the interpreter), read by tile: leftpad and the splits' boundaries
+        # move each split's first tile back to a page's first row, and the keys before the split's are masked
+        "paged-4-leftpad-window": replace(
+            base,
+            page_size=4,
+            capacity=64,
+            leftpad=(3, 10),
+            seqlens=(50, 33),
+            n_new=2,
+            n_q=2,
+            options=dict(window_size=(13, 0)),
+        ),
+        # pages of whole tiles, read by tile: the first tile moved back to a tile's first row (leftpad, a window's
+        # unaligned first key)
         "paged-32-leftpad-window": replace(
             base,
             page_size=32,
@@ -128,8 +140,7 @@ CASES["gpu"] = [
     else replace(c, capacity=c.capacity * 8, seqlens=tuple(8 * n + 1 for n in c.seqlens))
     for c in CASES["cpu"]
 ]
-# a cache long enough that the GPU reads a tile's pages by tile (config.DECODE_TILE_PAGES_MIN_CAPACITY), tiles
-# crossing pages
+# a long cache in pages of 256, read by tile, its first tiles moved back to a tile's first row (leftpad)
 CASES["gpu"].append(
     replace(
         CASES["cpu"][0], name="paged-256-long-leftpad", page_size=256, capacity=20480, leftpad=(300, 9),
@@ -581,15 +592,16 @@ def test_route_decides_the_decode_family_and_splits():
     assert route.decode(q, 300, 8, 0, gpu="sm90", sms=132).config.splits == 3
     assert route.decode(q.new_empty(1, 1, 32, 64), 16384, 8, 0, gpu="sm90", sms=132).config.splits == 32
     assert [config.whole_splits(128, most) for most in (1, 32, 33, 43, 64, 200)] == [1, 32, 32, 43, 64, 128]
-    # paged: a tile's pages by tile where pages hold tiles and the cache is long, or pages are smaller than a tile
-    # (up to config.DECODE_TILE_PAGES_MAX_READS reads) at any length; contiguous caches have no pages
-    long_pages = route.decode(q, 131072, 8, 0, gpu="sm90", sms=132, page_size=256).config
-    assert long_pages.tile_pages and long_pages.block_n <= 256
-    assert not route.decode(q, 4096, 8, 0, gpu="sm90", sms=132, page_size=256).config.tile_pages
-    for capacity in (4096, 131072):
-        small = route.decode(q, capacity, 8, 0, gpu="sm90", sms=132, page_size=16).config
-        assert small.tile_pages and small.block_n // 16 + 1 <= config.DECODE_TILE_PAGES_MAX_READS
-        assert not route.decode(q, capacity, 8, 0, gpu="sm90", sms=132, page_size=4).config.tile_pages
+    # paged: a tile's pages by tile where pages and tiles divide one another, up to
+    # config.DECODE_TILE_PAGES_MAX_READS (8) pages a tile, at any length (D=128's tiles of 64: pages of 8 are 8 reads,
+    # of 4 sixteen; D=64's of 128: pages of 8 are 16); else an entry per row (pages of 12 or 48 divide no tile)
+    assert config.DECODE_TILE_PAGES_MAX_READS == 8
+    for head_dim, capacity in itertools.product((128, 64), (4096, 131072)):
+        one = q.new_empty(2, 1, 32, head_dim)
+        by_tile = {16, 32, 256, 768} | ({8} if head_dim == 128 else set())
+        for page in (4, 8, 12, 16, 32, 48, 256, 768):
+            c = route.decode(one, capacity, 8, 0, gpu="sm90", sms=132, page_size=page).config
+            assert c.block_n == {128: 64, 64: 128}[head_dim] and c.tile_pages == (page in by_tile), (head_dim, page)
     assert not route.decode(q, 131072, 8, 0, gpu="sm90", sms=132).config.tile_pages
     # the caller's count as given, capped at the tiles: 1000 rows are 8 wide tiles
     assert route.decode(q, 1000, 8, 3, gpu="sm90", sms=132).config.splits == 3

@@ -66,15 +66,18 @@ def _rotary(cache: KVCache) -> dict:
     )  # fmt: skip
 
 
-def _pages(cache: KVCache, cfg: config.DecodeConfig, pipelined: bool = False) -> dict:
-    """The paged cache's kernel arguments. pipelined: the block table by plain loads (decode.table_entries), for a
-    split kernel past 2 stages (at 2 they ran slower: DECISIONS, "Decoding"; the interpreter runs no inline PTX)."""
+def _pages(cache: KVCache, cfg: config.DecodeConfig, split: bool = False) -> dict:
+    """The paged cache's kernel arguments; the split kernel's also say how it reads the block table (TILE_PAGES: by
+    tile; SYNC_TABLE: by plain loads past 2 stages, where they ran faster, DECISIONS "Decoding"; the interpreter runs
+    no inline PTX). The append kernel reads an entry per new row."""
     table = cache.block_table
-    return dict(
-        BLOCK_TABLE=table, stride_tb=0 if table is None else table.stride(0),
-        PAGE_SIZE=max(cache.page_size, 1), TILE_PAGES=cfg.tile_pages,
-        SYNC_TABLE=pipelined and cfg.num_stages > 2 and not route.interpreting(), CAPACITY=cache.capacity,
-    )  # fmt: skip
+    pages = dict(BLOCK_TABLE=table, stride_tb=0 if table is None else table.stride(0),
+                 PAGE_SIZE=max(cache.page_size, 1), CAPACITY=cache.capacity)  # fmt: skip
+    if split:
+        pages.update(TILE_PAGES=cfg.tile_pages, SYNC_TABLE=cfg.num_stages > 2 and not route.interpreting())
+    else:
+        pages.update(SYNC_TABLE=False)
+    return pages
 
 
 def _append(cache: KVCache, cfg: config.DecodeConfig, recorder: Recorder) -> None:
@@ -142,7 +145,7 @@ def forward(
         SOFTCAP=config.softcap_mode(p.softcap, q.dtype) if softcap else 0,
         UPCAST=q.dtype == torch.bfloat16 and route.interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cap, **_pages(cache, cfg, pipelined=True),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cap, **_pages(cache, cfg, split=True),
         **_rotary(cache),
     ))  # fmt: skip
     if cfg.splits > 1:

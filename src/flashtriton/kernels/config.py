@@ -444,7 +444,7 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     splits: int  # programs sharing one (sequence, K/V head)'s keys; 1: one pass, no combine
-    tile_pages: bool = False  # paged: a tile's pages by scalar block-table reads, not a read per row (decode.py)
+    tile_pages: bool = False  # paged: a tile's pages by scalar block-table reads, not an entry per row (decode.py)
     # the split kernel's registers per thread at most, where it would take more (launch.RegisterCap); None: no cap
     max_registers: int | None = None
 
@@ -486,13 +486,10 @@ MAX_REGISTERS = 255  # of a thread
 # The ring's merges (kernels/merge.py): elementwise passes over fp32 rows, a program's tile of this many elements
 MERGE_TILE_ELEMENTS = 4096
 MERGE_WARPS = 4
-# Paged caches read a tile's pages (a scalar block-table read each, one more than it holds whole: it may start inside
-# one) instead of each row's entry. Pages of a tile or more: measured faster at 32k and 128k rows, slower at 4k
-# (DECISIONS, "Decoding"); 16k, between them, is a guess. Smaller pages: faster at every length measured (pages of
-# 16 in tiles of 64: five reads), up to those five; nine (D=64's tiles of 128 over pages of 16) were slower than each
-# row's entry, which pages smaller still read too
-DECODE_TILE_PAGES_MIN_CAPACITY = 16384
-DECODE_TILE_PAGES_MAX_READS = 5
+# Paged caches whose pages and tiles divide one another read a tile's pages (a scalar block-table read each, the tiles
+# aligned to pages) instead of each row's entry: faster or level at every shape measured, up to the 8 reads of D=64's
+# tiles of 128 over pages of 16 (DECISIONS, "Decoding"); pages smaller still read an entry per row
+DECODE_TILE_PAGES_MAX_READS = 8
 INTERPRETER_SMS = 4  # the SM count the interpreter's split choice assumes (small grids of two tiles or more split)
 # (max head dim, block_n, num_warps) for 2-byte dtypes on CUDA GPUs, 16 KB K and V tiles each; fp32 halves block_n
 _DECODE_TABLE = ((64, 128, 4), (128, 64, 4), (256, 32, 4))
@@ -539,8 +536,7 @@ def decode_config(
     caches of ``capacity`` rows in pages of ``page_size`` (0: contiguous) and ``sms`` SMs: the table's tiles (or the
     wide ones), split and staged as decode_waves says. ``num_splits``: the caller's (0: choose), kept as given but
     capped at the cache's tiles (a split may then be left without a tile: it writes an empty partial); tiles and
-    stages stay the table's choice. The interpreter reads whole-tile pages by tile at any capacity, so that CI runs
-    that path."""
+    stages stay the table's choice."""
     block_m = min(max(MIN_BLOCK, next_power_of_2(rows)), DECODE_MAX_BLOCK_M)
     programs = pairs * -(-rows // block_m)
     wave = DECODE_WAVE_PAGED if page_size > 0 else DECODE_WAVE
@@ -560,7 +556,7 @@ def decode_config(
         wave = DECODE_WAVE_PAGED_DEEP
     splits, stages = decode_waves(programs, tiles, sms, wave)
     splits = num_splits or splits
-    by_tile = tile_pages(arch, block_n, capacity, page_size)
+    by_tile = tile_pages(block_n, page_size)
     return DecodeConfig(block_m, block_n, warps, stages, min(splits, tiles), by_tile, wave_registers(wave, warps))
 
 
@@ -591,11 +587,11 @@ def wave_registers(wave: DecodeWave, num_warps: int) -> int | None:
     return registers if registers < MAX_REGISTERS else None
 
 
-def tile_pages(arch: str, block_n: int, capacity: int, page_size: int) -> bool:
-    """Whether the decode kernels read a tile's pages by tile (DecodeConfig.tile_pages, decode.py's cache_slots):
-    pages smaller than a tile, unless that takes more than DECODE_TILE_PAGES_MAX_READS reads; pages of a tile or
-    more in a cache long enough that it pays (the interpreter: any non-empty cache, so that CI runs the path)."""
-    if page_size <= 0 or -(-block_n // page_size) + 1 > DECODE_TILE_PAGES_MAX_READS:
+def tile_pages(block_n: int, page_size: int) -> bool:
+    """Whether the split kernel reads a tile's pages by tile (DecodeConfig.tile_pages, decode.py's aligned_slots):
+    pages of whole tiles, or tiles of whole pages, up to DECODE_TILE_PAGES_MAX_READS of them."""
+    if page_size <= 0:
         return False
-    long_cache = capacity >= DECODE_TILE_PAGES_MIN_CAPACITY or (arch == "interpreter" and capacity > 0)
-    return page_size < block_n or long_cache
+    if page_size >= block_n:
+        return page_size % block_n == 0
+    return block_n % page_size == 0 and block_n // page_size <= DECODE_TILE_PAGES_MAX_READS

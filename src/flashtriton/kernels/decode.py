@@ -8,8 +8,9 @@ Notation
   PAGE_SIZE    rows per page of a paged cache: sequence b's row r lives in page BLOCK_TABLE[b, r // PAGE_SIZE] at
                row r % PAGE_SIZE; a contiguous cache's row r is row r of batch row CACHE_BATCH_IDX[b] (or b).
                A constexpr: the row's page and slot without a runtime division (shifts for powers of two)
-  TILE_PAGES   a tile's rows' pages from scalar block-table reads, one per page the tile may touch, instead of one
-               entry per row
+  TILE_PAGES   a tile's pages by scalar block-table reads, one per page it holds (PAGE_SIZE and BLOCK_N divide one
+               another): the split kernel's tiles start at a page's first row (or a tile's, pages of a tile or more),
+               so that each register's page is known at compile time (aligned_slots); else a read per row
   SYNC_TABLE   block-table entries by plain loads, which Triton's pipeliner does not make copies of (table_entries)
   start, end   sequence b's keys are its cache rows [start, CACHE_SEQLENS[b] + N_NEW) within the CAPACITY:
                start = CACHE_LEFTPAD[b] (or 0; clamped at 0), key j is row start + j, N_K of them; the masks are
@@ -100,28 +101,39 @@ def table_entries(ptrs, SYNC: tl.constexpr):
 
 
 @triton.jit
-def cache_slots(first, rows, b, cache_b, BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr,
-                SYNC_TABLE: tl.constexpr, CAPACITY):  # fmt: skip
-    """(block, row within it) of sequence b's consecutive cache rows ``rows`` (from row ``first`` on): a page and
-    its row through BLOCK_TABLE, or batch row cache_b and the row itself. The block is 64-bit (it multiplies the
-    block stride). TILE_PAGES: the rows' pages by scalar block-table reads, one per page they may touch (their
-    count over PAGE_SIZE, plus one: they may start inside a page), instead of a read per row. Entries are read
-    clamped to the table: rows outside the capacity are masked by the caller (cache_seqlens are unchecked)."""
+def cache_slots(rows, b, cache_b, BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr, SYNC_TABLE: tl.constexpr, CAPACITY):
+    """(block, row within it) of sequence b's cache rows ``rows``: a page and its row through BLOCK_TABLE, an entry
+    read per row, or batch row cache_b and the row itself. The block is 64-bit (it multiplies the block stride).
+    Entries are read clamped to the table: rows outside the capacity are masked by the caller (cache_seqlens are
+    unchecked)."""
     if BLOCK_TABLE is not None:
-        table = BLOCK_TABLE + b * stride_tb
         last = CAPACITY // PAGE_SIZE - 1
-        if TILE_PAGES:
-            READS: tl.constexpr = (rows.shape[0] + PAGE_SIZE - 1) // PAGE_SIZE + 1
-            at = first // PAGE_SIZE
-            page = tl.zeros_like(rows) + table_entries(table + tl.minimum(tl.maximum(at, 0), last), SYNC_TABLE)
-            for i in tl.static_range(1, READS):
-                later = table_entries(table + tl.minimum(tl.maximum(at + i, 0), last), SYNC_TABLE)
-                page = tl.where(rows >= (at + i) * PAGE_SIZE, later, page)
-        else:
-            page = table_entries(table + tl.minimum(tl.maximum(rows // PAGE_SIZE, 0), last), SYNC_TABLE)
+        page = table_entries(BLOCK_TABLE + b * stride_tb + tl.minimum(tl.maximum(rows // PAGE_SIZE, 0), last),
+                             SYNC_TABLE)  # fmt: skip
         return page.to(tl.int64), rows % PAGE_SIZE
     else:
         return tl.zeros_like(rows).to(tl.int64) + cache_b, rows
+
+
+@triton.jit
+def aligned_slots(first, b, BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SYNC_TABLE: tl.constexpr, CAPACITY):  # fmt: skip
+    """(block, row within it, rows to add) of the BLOCK_N cache rows from row ``first``, a multiple of PAGE_SIZE or of
+    BLOCK_N, whichever is smaller (the one divides the other): a scalar block-table read per page the tile holds,
+    each row's page chosen by its place in the tile alone, so that the compiler resolves it per register; the rows
+    within the page as the tile's own, the page's first row of the tile apart (``first % PAGE_SIZE``, a scalar). A
+    read per row, computed per row, had cost a third more instructions in the key loop (DECISIONS, "Decoding")."""
+    table = BLOCK_TABLE + b * stride_tb
+    last = CAPACITY // PAGE_SIZE - 1
+    at = first // PAGE_SIZE
+    r = tl.arange(0, BLOCK_N)
+    page = tl.zeros_like(r) + table_entries(table + tl.minimum(at, last), SYNC_TABLE)
+    for i in tl.static_range(1, BLOCK_N // PAGE_SIZE):
+        page = tl.where(r >= i * PAGE_SIZE, table_entries(table + tl.minimum(at + i, last), SYNC_TABLE), page)
+    if PAGE_SIZE < BLOCK_N:
+        return page.to(tl.int64), r % PAGE_SIZE, 0
+    else:
+        return page.to(tl.int64), r, first % PAGE_SIZE
 
 
 @triton.jit
@@ -138,7 +150,7 @@ def append_kv_kernel(
     K_NEW, V_NEW, K, V, CACHE_SEQLENS, CACHE_BATCH_IDX,
     stride_nb, stride_nn, stride_nh, stride_wb, stride_wn, stride_wh,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr, SYNC_TABLE: tl.constexpr, CAPACITY,
+    BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr, SYNC_TABLE: tl.constexpr, CAPACITY,
     ROT_COS, ROT_SIN, seqlen_ro,
     N_NEW, HKV,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -154,8 +166,8 @@ def append_kv_kernel(
     # rows past the cache are dropped: cache_seqlens are device values, checked nowhere else
     ok = (j < N_NEW) & (rows >= 0) & (rows < CAPACITY)
     cols = tl.arange(0, BLOCK_D)
-    block, slot = cache_slots(first, rows, b, _cache_row(CACHE_BATCH_IDX, b), BLOCK_TABLE, stride_tb, PAGE_SIZE,
-                              TILE_PAGES, SYNC_TABLE, CAPACITY)  # fmt: skip
+    block, slot = cache_slots(rows, b, _cache_row(CACHE_BATCH_IDX, b), BLOCK_TABLE, stride_tb, PAGE_SIZE, SYNC_TABLE,
+                              CAPACITY)  # fmt: skip
     mask = ok[:, None] & (cols[None, :] < D)
     k_src = K_NEW + b * stride_nb + hk * stride_nh + j[:, None] * stride_nn
     k = load_rotated(k_src, ok, cols, rows, ROT_COS, ROT_SIN, seqlen_ro, D, ROTARY_DIM, INTERLEAVED)
@@ -235,14 +247,26 @@ def decode_split_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for n0 in tl.range(lo, hi, BLOCK_N):
+    ALIGNED: tl.constexpr = TILE_PAGES and BLOCK_TABLE is not None
+    lo_tile = lo
+    if ALIGNED:  # the first tile from its page's (or a tile's) first row: keys below lo are masked
+        lo_tile = lo - (start + lo) % min(PAGE_SIZE, BLOCK_N)
+    for n0 in tl.range(lo_tile, hi, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
-        key_ok = keys < hi
-        block, slot = cache_slots(start + n0, start + keys, b, cache_b, BLOCK_TABLE, stride_tb, PAGE_SIZE, TILE_PAGES,
-                                  SYNC_TABLE, CAPACITY)  # fmt: skip
+        if ALIGNED:
+            key_ok = (keys >= lo) & (keys < hi)
+            block, slot, skew = aligned_slots(start + n0, b, BLOCK_TABLE, stride_tb, PAGE_SIZE, BLOCK_N, SYNC_TABLE,
+                                              CAPACITY)  # fmt: skip
+        else:
+            key_ok = keys < hi
+            block, slot = cache_slots(start + keys, b, cache_b, BLOCK_TABLE, stride_tb, PAGE_SIZE, SYNC_TABLE,
+                                      CAPACITY)  # fmt: skip
+            skew = 0
         kv_mask = key_ok[:, None] & (cols[None, :] < D)
-        k = tl.load(K + block[:, None] * stride_kb + slot[:, None] * stride_kn + hk * stride_kh + cols[None, :],
-                    mask=kv_mask, other=0.0)  # fmt: skip
+        # pointer steps in this order: the page's (scalar where uniform), then the loop-invariant rest, which Triton
+        # folds into one offset and hoists (summed first, the rows' offset would be added per row each tile)
+        k = tl.load(K + (block * stride_kb + skew * stride_kn)[:, None] + slot[:, None] * stride_kn + hk * stride_kh
+                    + cols[None, :], mask=kv_mask, other=0.0)  # fmt: skip
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -256,8 +280,8 @@ def decode_split_kernel(
         p = tl.math.exp2(s - m_shift[:, None])
         alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + block[:, None] * stride_vb + slot[:, None] * stride_vn + hk * stride_vh + cols[None, :],
-                    mask=kv_mask, other=0.0)  # fmt: skip
+        v = tl.load(V + (block * stride_vb + skew * stride_vn)[:, None] + slot[:, None] * stride_vn + hk * stride_vh
+                    + cols[None, :], mask=kv_mask, other=0.0)  # fmt: skip
         if UPCAST:
             v = v.to(tl.float32)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
