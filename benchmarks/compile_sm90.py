@@ -1,13 +1,14 @@
 """Compile every kernel variant for Hopper (sm90) on a machine without a GPU, through the real launchers.
 
     python benchmarks/compile_sm90.py [--head-dims 64 128 256 96] [--seqlen 2048] [--cases dense causal]
-                                      [--whole] [--fp32-results] [--json]
+                                      [--whole] [--fp32-results | --fp32-cases causal] [--json]
 
 For each head dim, feature set (dense, causal, causal with sinks, deterministic causal, window, long window, all
 features, varlen, block mask) and sequence length (the one given: whole tiles; and, unless --whole, one less: a
 ragged last tile), the forward and backward launchers run with CPU tensors while a stand-in driver reports an sm90
 GPU and kernels are compiled, not launched (with --fp32-results, for calls that ask for fp32 out, dq, dk, dv as ring
-attention's steps do: AttentionParams.fp32_results; builds named "... fp32"). Prints registers and spill (stack)
+attention's steps do: AttentionParams.fp32_results; builds named "... fp32"; --fp32-cases: those cases with fp32
+results as well, in the same process). Prints registers and spill (stack)
 bytes per kernel from the cubin (--json: one JSON object, build name to {"kernels": [[kernel, registers, stack
 bytes], ...], "error": null or why}), and exits non-zero if any build fails: Triton 3.6's ptxas segfaults on some
 TMA kernels, so run this after touching kernels/config.py and before spending GPU time. tests/test_sm90_build.py
@@ -204,7 +205,10 @@ def main() -> int:
     parser.add_argument("--seqlen", type=int, default=2048)
     parser.add_argument("--cases", nargs="+", choices=list(_cases(256, 64)), help="default: all")
     parser.add_argument("--whole", action="store_true", help="only the given seqlen, not also a ragged one less")
-    parser.add_argument("--fp32-results", action="store_true", help="calls that ask for fp32 out, dq, dk, dv")
+    fp32 = parser.add_mutually_exclusive_group()
+    fp32.add_argument("--fp32-results", action="store_true", help="calls that ask for fp32 out, dq, dk, dv")
+    fp32.add_argument("--fp32-cases", nargs="+", default=[], choices=list(_cases(256, 64)),
+                      help="these cases with fp32 results too")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a line per build")
     parser.add_argument("--merges", action="store_true", help="ring attention's merge kernels instead")
     args = parser.parse_args()
@@ -214,10 +218,11 @@ def main() -> int:
             results[f"d{head_dim} N={args.seqlen} merge {variant}"] = build_merges(head_dim, args.seqlen, variant)
     for head_dim in () if args.merges else args.head_dims:
         for n in (args.seqlen,) if args.whole else (args.seqlen, args.seqlen - 1):
-            for case in args.cases or _cases(n, head_dim):
-                label = f"{case} fp32" if args.fp32_results else case
+            builds = [(case, args.fp32_results) for case in args.cases or _cases(n, head_dim)]
+            for case, fp32_results in builds + [(case, True) for case in args.fp32_cases]:
+                label = f"{case} fp32" if fp32_results else case
                 name = f"d{head_dim} N={n} {label}"
-                results[name] = result = build(head_dim, n, case, args.fp32_results)
+                results[name] = result = build(head_dim, n, case, fp32_results)
                 if not args.json:
                     if result["error"] is None:
                         line = "  ".join(f"{kernel[10:]} {regs}r/{stack}B" for kernel, regs, stack in result["kernels"])

@@ -22,9 +22,10 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 """
 
 
-def test_cpu_path_32k_tokens_without_n_squared_buffer():
-    """A 32k-token causal forward+backward on CPU; an N x N fp32 matrix alone would be 4 GiB."""
-    n = 32768
+def test_cpu_path_16k_tokens_without_n_squared_buffer():
+    """A 16k-token causal forward+backward on CPU grows by less than 256 MiB; an N x N matrix alone would be 1 GiB in
+    fp32, 512 MiB in 16 bits (it grows by about 52 MiB)."""
+    n = 16384
     src = os.path.dirname(os.path.dirname(flashtriton.__file__))
     env = {**os.environ, "FLASHTRITON_BACKEND": "torch", "PYTHONPATH": src}
     result = subprocess.run(
@@ -32,7 +33,7 @@ def test_cpu_path_32k_tokens_without_n_squared_buffer():
     )
     assert result.returncode == 0, result.stderr
     grown = int(result.stdout.split()[-1])
-    assert grown < 512 * 2**20, f"peak RSS grew by {grown / 2**20:.0f} MiB"
+    assert grown < 256 * 2**20, f"peak RSS grew by {grown / 2**20:.0f} MiB"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

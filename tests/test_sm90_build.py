@@ -62,14 +62,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _build(head_dims: list[int], cases: list[str], fp32_results: bool = False, merges: bool = False) -> dict:
-    """compile_sm90's results for these builds, by (head dim, case; " fp32" after it for fp32 results), compiled
-    in a Triton cache of their own: a kernel another process compiled (a GPU test beside this one) is not counted."""
+def _build(head_dims: list[int], cases: list[str], fp32_cases: tuple[str, ...] = (), merges: bool = False) -> dict:
+    """compile_sm90's results for these builds and ``fp32_cases`` with fp32 results, by (head dim, case; " fp32"
+    after it for fp32 results), compiled in a Triton cache of their own: a kernel another process compiled (a GPU
+    test beside this one) is not counted."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(flashtriton.__file__).parents[1]), env.get("PYTHONPATH", "")])
     args = ["--head-dims", *map(str, head_dims), "--seqlen", str(SEQLEN), "--whole", "--json"]
     args += ["--merges"] if merges else ["--cases", *cases]
-    args += ["--fp32-results"] if fp32_results else []
+    args += ["--fp32-cases", *fp32_cases] if fp32_cases else []
     with tempfile.TemporaryDirectory() as cache:
         env["TRITON_CACHE_DIR"] = cache
         run = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, env=env, timeout=600)
@@ -91,27 +92,23 @@ def _check(results: dict, expected: dict) -> None:
             assert built[kernel] <= SPILLS.get((head_dim, case, kernel), 0), (head_dim, case, kernel, built[kernel])
 
 
-# one build per head dim, so that two test workers share them (each is a process that compiles for a minute)
+# one build per head dim, so that two test workers share them (each is a process that compiles for a minute, after
+# about 8 s of imports: the fp32 results build in the same process)
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 80])
 def test_sm90_kernels_build(head_dim):
     """The forward at D = 64, 128 and 256, dense, causal and causal with sinks (whose forward spills no more than
     without); the fused dK/dV at each D (at 256 split across the warpgroups by columns); the dQ kernel and dK/dV after
-    it (D=128 causal: below its fused span); D=80 in 128-wide tiles, fused, dense."""
+    it (D=128 causal: below its fused span); D=80 in 128-wide tiles, fused, dense. And causal calls that ask for fp32
+    results (ring attention's steps) at each D: O, dK and dV, and the dQ kernel's dQ stored from registers; fused
+    dK/dV at 64 and 256, the dQ kernel and dK/dV after it at 128 and at 80 (128-wide tiles, whose register stores
+    drop the columns past 80)."""
     fused = {FORWARD, DKDV}
     cases = ["dense"] if head_dim == 80 else ["dense", "causal", "causal sinks"]
     expected = {(head_dim, case): fused for case in cases}
     if head_dim == 128:
         expected[128, "causal"] = expected[128, "causal sinks"] = {FORWARD, DQ, DKDV}
-    _check(_build([head_dim], cases), expected)
-
-
-@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
-def test_sm90_fp32_results_build(head_dim):
-    """Calls that ask for fp32 results (ring attention's steps) at each D, causal: O, dK and dV, and the dQ kernel's
-    dQ stored from registers; fused dK/dV at 64 and 256 (split across the warpgroups by columns), the dQ kernel and
-    dK/dV after it at 128 and at 80 (128-wide tiles, whose register stores drop the columns past 80)."""
-    kernels = {FORWARD, DQ, DKDV} if head_dim in (80, 128) else {FORWARD, DKDV}
-    _check(_build([head_dim], ["causal"], fp32_results=True), {(head_dim, "causal fp32"): kernels})
+    expected[head_dim, "causal fp32"] = {FORWARD, DQ, DKDV} if head_dim in (80, 128) else fused
+    _check(_build([head_dim], cases, fp32_cases=("causal",)), expected)
 
 
 @pytest.mark.slow
