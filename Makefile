@@ -12,7 +12,7 @@ WORKERS ?= 2
 # arguments for `make bench`, e.g. ARGS="--head-dims 128 --causal yes"
 ARGS ?=
 
-.PHONY: demo test lint bench
+.PHONY: demo test test-all lint bench
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,8 +28,12 @@ demo: $(STAMP)
 	$(PY) -m flashtriton demo
 
 # Without a GPU, tests/conftest.py turns on TRITON_INTERPRET=1 so the Triton kernels run on CPU.
+# CI's command: all but the tests marked slow (minutes of compiles and processes that test-all and GPU runs take)
 test: $(STAMP)
 	$(PY) -m ruff check src tests
+	$(PY) -m pytest -q -n $(WORKERS) --dist worksteal -m "not slow" tests
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q -n $(WORKERS) --dist worksteal tests
 
 lint: $(STAMP)
