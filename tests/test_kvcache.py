@@ -87,8 +87,18 @@ def _cases(tiny: bool) -> list[Case]:
             n_q=2,
             options=dict(window_size=(13, 0)),
         ),
-        # pages of whole tiles, read by tile: the first tile moved back to a tile's first row (leftpad, a window's
-        # unaligned first key)
+        # pages of whole tiles, read by tile (pages of 48 too: a multiple of the tile, not a power of two): the first
+        # tile moved back to a tile's first row (leftpad, a window's unaligned first key)
+        "paged-48-leftpad-window": replace(
+            base,
+            page_size=48,
+            capacity=144,
+            leftpad=(7, 20),
+            seqlens=(100, 130),
+            n_new=3,
+            n_q=2,
+            options=dict(window_size=(29, 0)),
+        ),
         "paged-32-leftpad-window": replace(
             base,
             page_size=32,
@@ -603,6 +613,10 @@ def test_route_decides_the_decode_family_and_splits():
             c = route.decode(one, capacity, 8, 0, gpu="sm90", sms=132, page_size=page).config
             assert c.block_n == {128: 64, 64: 128}[head_dim] and c.tile_pages == (page in by_tile), (head_dim, page)
     assert not route.decode(q, 131072, 8, 0, gpu="sm90", sms=132).config.tile_pages
+    # the interpreter's tiles of 16 (CI's paged cases): pages of 2-8, 16, 32, 48 and 256 by tile, of 1 and 12 by row
+    for page in (1, 2, 4, 8, 12, 16, 32, 48, 256):
+        c = config.decode_config("interpreter", 16, torch.float32, 2, 4, 96 * page, 4, 0, page)
+        assert c.block_n == 16 and c.tile_pages == (page not in (1, 12)), page
     # the caller's count as given, capped at the tiles: 1000 rows are 8 wide tiles
     assert route.decode(q, 1000, 8, 3, gpu="sm90", sms=132).config.splits == 3
     assert route.decode(q, 1000, 8, 64, gpu="sm90", sms=132).config.splits == 8

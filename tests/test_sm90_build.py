@@ -47,7 +47,7 @@ SPILLS = {
 }
 # Sinks change the forward's epilogue alone: with them every kernel spills no more than without
 SPILLS.update({(d, "causal sinks", kernel): n for (d, case, kernel), n in list(SPILLS.items()) if case == "causal"})
-# fp32 results (compile_sm90.py --fp32-results), stored from registers
+# fp32 results (compile_sm90.py --fp32-cases), stored from registers
 SPILLS.update({
     (64, "causal fp32", DKDV): 8,
     (128, "causal fp32", FORWARD): 24,
