@@ -68,15 +68,13 @@ def _rotary(cache: KVCache) -> dict:
 
 def _pages(cache: KVCache, cfg: config.DecodeConfig, split: bool = False) -> dict:
     """The paged cache's kernel arguments; the split kernel's also say how it reads the block table (TILE_PAGES: by
-    tile; SYNC_TABLE: by plain loads past 2 stages, where they ran faster, DECISIONS "Decoding"; the interpreter runs
-    no inline PTX). The append kernel reads an entry per new row."""
+    tile, only paged (config.tile_pages); SYNC_TABLE: by plain loads past 2 stages, where they ran faster, DECISIONS
+    "Decoding"; the interpreter runs no inline PTX). The append kernel reads an entry per new row."""
     table = cache.block_table
     pages = dict(BLOCK_TABLE=table, stride_tb=0 if table is None else table.stride(0),
                  PAGE_SIZE=max(cache.page_size, 1), CAPACITY=cache.capacity)  # fmt: skip
     if split:
         pages.update(TILE_PAGES=cfg.tile_pages, SYNC_TABLE=cfg.num_stages > 2 and not route.interpreting())
-    else:
-        pages.update(SYNC_TABLE=False)
     return pages
 
 

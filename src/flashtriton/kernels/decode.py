@@ -150,7 +150,7 @@ def append_kv_kernel(
     K_NEW, V_NEW, K, V, CACHE_SEQLENS, CACHE_BATCH_IDX,
     stride_nb, stride_nn, stride_nh, stride_wb, stride_wn, stride_wh,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr, SYNC_TABLE: tl.constexpr, CAPACITY,
+    BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr, CAPACITY,
     ROT_COS, ROT_SIN, seqlen_ro,
     N_NEW, HKV,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -166,7 +166,7 @@ def append_kv_kernel(
     # rows past the cache are dropped: cache_seqlens are device values, checked nowhere else
     ok = (j < N_NEW) & (rows >= 0) & (rows < CAPACITY)
     cols = tl.arange(0, BLOCK_D)
-    block, slot = cache_slots(rows, b, _cache_row(CACHE_BATCH_IDX, b), BLOCK_TABLE, stride_tb, PAGE_SIZE, SYNC_TABLE,
+    block, slot = cache_slots(rows, b, _cache_row(CACHE_BATCH_IDX, b), BLOCK_TABLE, stride_tb, PAGE_SIZE, False,
                               CAPACITY)  # fmt: skip
     mask = ok[:, None] & (cols[None, :] < D)
     k_src = K_NEW + b * stride_nb + hk * stride_nh + j[:, None] * stride_nn
@@ -247,13 +247,12 @@ def decode_split_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    ALIGNED: tl.constexpr = TILE_PAGES and BLOCK_TABLE is not None
     lo_tile = lo
-    if ALIGNED:  # the first tile from its page's (or a tile's) first row: keys below lo are masked
+    if TILE_PAGES:  # the first tile from its page's (or a tile's) first row: keys below lo are masked
         lo_tile = lo - (start + lo) % min(PAGE_SIZE, BLOCK_N)
     for n0 in tl.range(lo_tile, hi, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
-        if ALIGNED:
+        if TILE_PAGES:
             key_ok = (keys >= lo) & (keys < hi)
             block, slot, skew = aligned_slots(start + n0, b, BLOCK_TABLE, stride_tb, PAGE_SIZE, BLOCK_N, SYNC_TABLE,
                                               CAPACITY)  # fmt: skip
