@@ -78,6 +78,11 @@ def _pages(cache: KVCache, cfg: config.DecodeConfig, split: bool = False) -> dic
     return pages
 
 
+def _pdl(cfg: config.DecodeConfig) -> dict:
+    """The kernels' PDL flag and the launch option that goes with it (kernels/decode.py's follow)."""
+    return dict(PDL=cfg.pdl, launch_pdl=cfg.pdl)
+
+
 def _append(cache: KVCache, cfg: config.DecodeConfig, recorder: Recorder) -> None:
     """k_new (rotated) and v_new into the cache rows cache_seqlens[b] + j, in place."""
     k_new, v_new = _last_dim_contiguous(cache.k_new), _last_dim_contiguous(cache.v_new)
@@ -87,7 +92,7 @@ def _append(cache: KVCache, cfg: config.DecodeConfig, recorder: Recorder) -> Non
         k_new, v_new, cache.k_cache, cache.v_cache, cache.cache_seqlens, cache.cache_batch_idx,
         *k_new.stride()[:3], *v_new.stride()[:3], *cache.k_cache.stride()[:3], *cache.v_cache.stride()[:3],
         N_NEW=n_new, HKV=heads_k, D=head_dim, BLOCK_D=config.block_d(head_dim), BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps, **_pages(cache, cfg), **_rotary(cache),
+        num_warps=cfg.num_warps, **_pages(cache, cfg), **_rotary(cache), **_pdl(cfg),
     ))  # fmt: skip
 
 
@@ -144,13 +149,13 @@ def forward(
         UPCAST=q.dtype == torch.bfloat16 and route.interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cap, **_pages(cache, cfg, split=True),
-        **_rotary(cache),
+        **_rotary(cache), **_pdl(cfg),
     ))  # fmt: skip
     if cfg.splits > 1:
         recorder.add(_COMBINE.bind((batch * n_q * heads,))(
             o_split, out, lse, p.sinks, rows_all, n_q, heads, cfg.splits, p.empty_lse,
             D=head_dim, BLOCK_D=config.block_d(head_dim), BLOCK_S=config.next_power_of_2(cfg.splits),
-            num_warps=config.DECODE_COMBINE_WARPS,
+            num_warps=config.DECODE_COMBINE_WARPS, **_pdl(cfg),
         ))  # fmt: skip
     keep(_PLANS, key, recorder)
     return out, lse

@@ -447,6 +447,7 @@ class DecodeConfig:
     tile_pages: bool = False  # paged: a tile's pages by scalar block-table reads, not an entry per row (decode.py)
     # the split kernel's registers per thread at most, where it would take more (launch.RegisterCap); None: no cap
     max_registers: int | None = None
+    pdl: bool = False  # programmatic dependent launch (kernels/decode.py): Hopper's, not the interpreter's
 
 
 DECODE_MAX_BLOCK_M = 64  # packed rows per program; a call with more (long seqlen_q x GROUP) runs several row tiles
@@ -557,7 +558,9 @@ def decode_config(
     splits, stages = decode_waves(programs, tiles, sms, wave)
     splits = num_splits or splits
     by_tile = tile_pages(block_n, page_size)
-    return DecodeConfig(block_m, block_n, warps, stages, min(splits, tiles), by_tile, wave_registers(wave, warps))
+    return DecodeConfig(
+        block_m, block_n, warps, stages, min(splits, tiles), by_tile, wave_registers(wave, warps), arch == "sm90"
+    )
 
 
 def _wide_tiles(padded: int, programs: int, capacity: int, sms: int) -> bool:

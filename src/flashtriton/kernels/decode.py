@@ -40,10 +40,16 @@ scale, so any scale's sign works), fp32 running max, sum and accumulator; LSEs a
 gets O = 0 and LSE = empty_lse: -inf in a partial (it then weighs nothing in the combine), +inf in a final result.
 Rotary runs in fp32 and rounds to the input dtype, before the product.
 Offsets: batch, page and head offsets are 64-bit; cache row numbers and positions are int32.
+
+PDL: on Hopper each kernel is launched with programmatic dependent launch, so that its programs are placed while the
+kernel before it in the stream finishes (a short decode step's kernels take a few microseconds, and the gap between
+two about one): it waits for that kernel, and its writes, before its first memory access (follow). The split kernel
+lets the combine be placed once its programs are past their keys; the others leave that to their exit.
 """
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .common import LN2, LOG2E, add_sink, logits, visible, wide
 
@@ -137,6 +143,14 @@ def aligned_slots(first, b, BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr, BLO
 
 
 @triton.jit
+def follow(PDL: tl.constexpr):
+    """Under programmatic dependent launch, waits for the kernel before this one in the stream to finish (its writes
+    visible after): a kernel's first step, before any memory access."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
 def _cache_row(CACHE_BATCH_IDX, b):
     """The contiguous cache's batch row of sequence b."""
     if CACHE_BATCH_IDX is not None:
@@ -154,8 +168,9 @@ def append_kv_kernel(
     ROT_COS, ROT_SIN, seqlen_ro,
     N_NEW, HKV,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+    ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    follow(PDL)
     pid = tl.program_id(0)  # B * HKV on x, which takes more than y's 65535
     b = (pid // HKV).to(tl.int64)
     hk = (pid % HKV).to(tl.int64)
@@ -195,13 +210,14 @@ def decode_split_kernel(
     GROUP, SPLITS, qk_scale, softcap, window_left, window_right, rotary_step, empty_lse,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ROTARY_DIM: tl.constexpr,
-    INTERLEAVED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERLEAVED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """rotary_step: 1 rotates query i at CACHE_SEQLENS[b] + i, 0 every query at CACHE_SEQLENS[b] (flash_attn's rule,
     interface.py). LSE's entries start at its element lse_start (the partials' LSEs follow their O in one
     allocation). SINKS: (H,) fp32 logits that join each row's softmax (params.py), given only with SPLITS = 1 (split
     partials leave them to the combine). UPCAST: products in fp32 (Triton's interpreter computes bf16 tl.dot
     wrongly)."""
+    follow(PDL)
     ALIBI: tl.constexpr = ALIBI_SLOPES is not None
     pid = tl.program_id(0)
     b = (pid // HKV).to(tl.int64)
@@ -286,6 +302,8 @@ def decode_split_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if PDL:  # the combine's programs may be placed once every program is past its keys (let in at each kernel's
+        gdc_launch_dependents()  # start, back-to-back calls ran up to 1.24x slower: DECISIONS, "Decoding")
     if SINKS is not None:
         acc, m_i, l_i = add_sink(acc, m_i, l_i, tl.load(SINKS + h, mask=row_ok, other=float("-inf")) * LOG2E)
     # epilogue: rows that saw no key (nor a sink) get O = 0 and LSE = empty_lse (-inf partial, +inf final)
@@ -303,11 +321,12 @@ def decode_split_kernel(
 @triton.jit(do_not_specialize=["ROWS", "N_Q", "H", "SPLITS"])
 def decode_combine_kernel(
     PARTS, O, LSE, SINKS, ROWS, N_Q, H, SPLITS, empty_lse,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Row r = (b * N_Q + i) * H + h of O (contiguous (B, N_Q, H, D)) from PARTS: the partials O_s (SPLITS, ROWS, D),
     then their LSE_s (SPLITS, ROWS). O = sum_s exp(LSE_s - LSE) O_s with LSE = log(sum_s exp(LSE_s) +
     exp(SINKS[h])) (no SINKS: no term); a row empty in every split, with no sink, gets O = 0 and LSE = empty_lse."""
+    follow(PDL)
     r = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, BLOCK_S)
     split_ok = splits < SPLITS
