@@ -221,7 +221,7 @@ def test_hopper_plans_replay_the_first_calls_launches(head_dim, seqlen, causal, 
     poison_empty(monkeypatch)
     planned_key = triton_backend._plan_key
 
-    def step(seed: int, layout: str, plans: bool = True):
+    def step(seed: int, layout: str, plans: bool = True, grad: str = "fresh"):
         monkeypatch.setattr(triton_backend, "_plan_key", planned_key if plans else lambda *args: None)
         torch.manual_seed(seed)
         heads = (4, 2, 2)
@@ -235,25 +235,33 @@ def test_hopper_plans_replay_the_first_calls_launches(head_dim, seqlen, causal, 
                 v = k
             leaves = [x.requires_grad_() for x in {id(x): x for x in (q, k, v)}.values()]
         out = flash_attn_func(q, k, v, causal=causal)
-        out.backward(torch.randn_like(out))
+        # the backward's route and plan come from the forward's and the gradients' layout: dO strided as a view of
+        # (B, H, N, D), or q itself (one tensor in two slots)
+        if grad == "strided":
+            dout = torch.randn(2, 4, seqlen, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        else:
+            dout = q if grad == "q" else torch.randn_like(out)
+        out.backward(dout)
         return [out, *(x.grad for x in leaves)]
 
     for layout in ("plain", "packed"):  # what the backend caches for the process: a causal forward's schedule
         step(2, layout, plans=False)
     allocated = torch.cuda.memory_allocated()
-    for layout in ("plain", "packed", "k is v"):
+    calls = [("plain", "fresh"), ("plain", "strided"), ("plain", "q"), ("packed", "fresh"), ("k is v", "fresh")]
+    for layout, grad in calls:
         replays.clear()
-        step(0, layout)  # records a plan for the forward and one for the backward
-        assert replays == []
-        replayed = step(1, layout)  # other inputs, other addresses
-        assert len(replays) == 2
-        unplanned = step(1, layout, plans=False)
+        step(0, layout, grad=grad)  # records the backward's plan, and the forward's at a layout's first call
+        forward_kept = grad != "fresh"
+        assert len(replays) == forward_kept
+        replayed = step(1, layout, grad=grad)  # other inputs, other addresses
+        assert len(replays) == forward_kept + 2
+        unplanned = step(1, layout, plans=False, grad=grad)
         for i, (a, b) in enumerate(zip(replayed, unplanned, strict=True)):
-            assert not a.isnan().any(), (layout, i)
+            assert not a.isnan().any(), (layout, grad, i)
             if i == 1 and head_dim != 128:  # dq of the fused kernels: its shares are added up in no fixed order
                 torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
             else:
-                assert torch.equal(a, b), (layout, i)
-    assert len(triton_backend._PLANS) == 6  # the three layouts are three keys
+                assert torch.equal(a, b), (layout, grad, i)
+    assert len(triton_backend._PLANS) == 3 + len(calls)  # a plan per forward layout and per backward one
     del replayed, unplanned, a, b
     assert torch.cuda.memory_allocated() == allocated  # the plans keep no tensor of the calls they came from

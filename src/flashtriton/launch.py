@@ -204,6 +204,7 @@ class Bound:
 
     def __init__(self, c_launch: Callable, template: list, slots: list[tuple[int, _Maps | None]], device: int):
         self.c_launch, self.template, self.slots, self.device = c_launch, template, slots, device
+        self.stream = driver.active.get_current_stream  # (a function of the device)
 
     @classmethod
     def of(cls, kernel: Any, values: list, device: int, grid: tuple[int, ...]) -> tuple[Bound | None, list]:
@@ -241,7 +242,7 @@ class Bound:
         it (cuPointerGetAttribute), which the plan's key (the devices, through the layout the checks passed) already
         answers."""
         args = self.template.copy()
-        args[3] = driver.active.get_current_stream(self.device)
+        args[3] = self.stream(self.device)
         for (position, maps), x in zip(self.slots, tensors, strict=True):
             args[position] = x.data_ptr() if maps is None else maps(x)
         self.c_launch(*args)

@@ -24,17 +24,25 @@ from . import route, schema, tables, torch_backend
 from .params import AttentionParams, final_lse, keyless_lse, lse_shape, sinks_grad
 from .validation import check_cu_seqlens, host_read
 
+_FAMILIES: dict[str, ModuleType] = {route.TORCH: torch_backend}
+
 
 def _launchers(family: str) -> ModuleType:
-    if family == route.TORCH:
-        return torch_backend
-    from . import triton_backend  # imported lazily: triton reads TRITON_INTERPRET at import
+    launchers = _FAMILIES.get(family)
+    if launchers is None:
+        from . import triton_backend  # imported at the first kernel call: triton reads TRITON_INTERPRET at import
 
-    return triton_backend
+        launchers = _FAMILIES[family] = triton_backend
+    return launchers
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams):
     """(out, lse) of one call, lse None unless p.write_lse."""
+    return routed_forward(q, k, v, p)[:2]
+
+
+def routed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams):
+    """(out, lse, the route that served the call)."""
     if p.varlen:  # values, read on the host once per cu_seqlens tensor; here too for traced calls
         total_k = k.shape[0] if p.key_pages is None else host_read(p.cu_seqlens_k, "values", torch.Tensor.tolist)[-1]
         check_cu_seqlens(p.cu_seqlens_q, p.cu_seqlens_k, q.shape[0], total_k, p.max_seqlen_q, p.max_seqlen_k)
@@ -43,8 +51,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
     r = route.forward(q, k, v, p)
     if r.family == route.NONE:
         lse = keyless_lse(lse_shape(q, p.varlen), p, q.device) if p.write_lse else None
-        return torch.zeros_like(q, dtype=p.result_dtype(q.dtype)), lse
-    return _launchers(r.family).forward(q, k, v, p, r)
+        return torch.zeros_like(q, dtype=p.result_dtype(q.dtype)), lse, r
+    return *_launchers(r.family).forward(q, k, v, p, r), r
 
 
 def _unpaged(k: torch.Tensor, v: torch.Tensor, p: AttentionParams):
@@ -67,9 +75,9 @@ def _unpaged(k: torch.Tensor, v: torch.Tensor, p: AttentionParams):
     return k[pages, rows], v[pages, rows], replace(p, key_pages=None)
 
 
-def backward(dout, dlse, q, k, v, out, lse, p: AttentionParams):
-    """dq, dk, dv, and dsinks (None without sinks)."""
-    r = route.backward(dout, dlse, q, k, v, out, lse, p)
+def backward(dout, dlse, q, k, v, out, lse, p: AttentionParams, after: route.Route | None = None):
+    """dq, dk, dv, and dsinks (None without sinks). ``after``: the forward's route (route.backward)."""
+    r = route.backward(dout, dlse, q, k, v, out, lse, p, after=after)
     if r.family == route.NONE:  # out is 0: delta = -dLSE
         dsinks = sinks_grad(p, final_lse(lse, p), -dlse)
         dq, dk, dv = (torch.zeros_like(x, dtype=p.result_dtype(x.dtype)) for x in (q, k, v))
@@ -207,7 +215,7 @@ class _EagerAttention(torch.autograd.Function):
     # which costs a small call tens of microseconds of host time
     @staticmethod
     def forward(ctx, q, k, v, sinks, params: AttentionParams):  # sinks: params.sinks, an input autograd sees
-        out, lse = forward(q, k, v, params)
+        out, lse, ctx.route = routed_forward(q, k, v, params)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.params = params
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: _shared_zeros stands for dLSE
@@ -216,7 +224,10 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
-        return *_gradients(ctx, dout, dlse, lambda *tensors: backward(*tensors, ctx.params), _shared_zeros), None
+        def run(*tensors):
+            return backward(*tensors, ctx.params, ctx.route)
+
+        return *_gradients(ctx, dout, dlse, run, _shared_zeros), None
 
 
 def watched(*tensors: torch.Tensor) -> bool:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from . import tables
+from . import autotune, tables
 from .kernels import config, triton_compat
 from .params import AttentionParams
 
@@ -48,6 +48,8 @@ class Route:
     config: Any = None  # kernels.config's row for the family (None for none and torch)
     dq: str = ""  # the Hopper backward's dQ: FUSED or PAIR
     key: tuple | None = field(default=None, compare=False)  # the call's layout key, where launches may be replayed
+    # a remembered forward route's backward routes by the gradients' layout (backward's ``after``): they go with it
+    backwards: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __str__(self) -> str:
         return " ".join(filter(None, (self.family, self.dq, _describe(self.config))))
@@ -205,12 +207,12 @@ _MAX_ROUTES = 256
 
 def _layout_key(kind: str, p: AttentionParams, tensors: tuple[torch.Tensor, ...]) -> tuple | None:
     """What every choice between a call's arguments and its launches depends on (shapes, strides, dtypes, 16-byte
-    alignment, which arguments are one tensor, the device, the options, the backend variable), for dense CUDA calls
-    with the features the Gluon kernels take; None for any other call (decided afresh each time)."""
+    alignment, which arguments are one tensor, the device, the options, the backend and autotune variables), for
+    dense CUDA calls with the features the Gluon kernels take; None for any other call (decided afresh each time)."""
     q = tensors[0]
     if q.device.type != "cuda" or p.varlen or not p.plain or p.sparse:
         return None
-    where = q.device, torch.cuda.current_device(), os.environ.get(BACKEND_ENV)
+    where = q.device, torch.cuda.current_device(), os.environ.get(BACKEND_ENV), autotune.enabled()
     if p.sinks is not None:  # p compares without it (params.py): its layout is the key's, its values each call's
         tensors = (*tensors, p.sinks)
     return kind, p, *where, tensors_layout(tensors)
@@ -219,9 +221,13 @@ def _layout_key(kind: str, p: AttentionParams, tensors: tuple[torch.Tensor, ...]
 def tensors_layout(tensors) -> tuple:
     """What launches read of these tensors beyond their addresses: shapes, strides, dtypes, 16-byte alignment, and
     which of them are one tensor."""
-    layout = tuple((x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0) for x in tensors)
+    return tuple([(x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0) for x in tensors]), _aliases(tensors)
+
+
+def _aliases(tensors) -> tuple[int, ...]:
+    """Which of these tensors are one: each one's first position."""
     ids = [id(x) for x in tensors]
-    return layout, tuple(map(ids.index, ids))
+    return tuple(map(ids.index, ids))
 
 
 def _remembered(key: tuple | None, decide) -> Route:
@@ -239,8 +245,23 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
     return _remembered(key, lambda: _forward(q, k, v, p, gpu))
 
 
-def backward(dout, dlse, q, k, v, out, lse, p: AttentionParams, gpu: str | None = None) -> Route:
-    """The backward's route (dout, out shaped as q; dlse, lse as the forward's LSE)."""
+_MAX_BACKWARDS = 16  # gradient layouts remembered per forward route
+
+
+def backward(
+    dout, dlse, q, k, v, out, lse, p: AttentionParams, gpu: str | None = None, after: Route | None = None
+) -> Route:
+    """The backward's route (dout, out shaped as q; dlse, lse as the forward's LSE). ``after``: the route of the
+    forward call that took q, k, v and p and returned out and lse, whose key then stands for their layouts, so that
+    the backward's route is remembered by the gradients' layout alone (on autograd's device thread, a small call's
+    host time is mostly Python, at about half its speed on the calling thread)."""
+    if gpu is None and after is not None and after.key is not None:
+        tensors = dout, dlse, q, k, v, out, lse
+        key = torch.cuda.current_device(), tensors_layout((dout, dlse))[0], _aliases(tensors)
+        route = after.backwards.get(key)
+        if route is None:
+            route = tables.put(after.backwards, key, backward(dout, dlse, q, k, v, out, lse, p), _MAX_BACKWARDS)
+        return route
     key = _layout_key("backward", p, (dout, dlse, q, k, v, out, lse)) if gpu is None else None
     return _remembered(key, lambda: _backward(q, k, v, out, dout, p, gpu))
 

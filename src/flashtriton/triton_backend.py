@@ -175,8 +175,9 @@ _PLANS: dict[tuple, Plan] = {}
 
 
 def _plan_key(r: route.Route) -> tuple | None:
-    """The route's layout key (the calls a Plan may replay), with what the launches depend on beside it."""
-    return None if r.key is None or hooked() or route.interpreting() else (r.key, autotune.enabled())
+    """The route's layout key (the calls a Plan may replay: it holds all that the launches depend on), or None where
+    launches must go through Triton (a launch hook set; the interpreter's kernels leave no Plan to replay)."""
+    return None if r.key is None or hooked() else r.key
 
 
 def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperForwardConfig, recorder: Recorder):
