@@ -1,0 +1,136 @@
+"""flash_attn_with_kvcache of two builds in one process, the working tree (src) against a base commit
+(ab-base/flashtriton_base), their calls in turn, cuDNN SDPA beside for seqlen_q 1; 32/8 heads, bf16, caches of
+random rows (contiguous, or as pages in a shuffled block table). Two timings:
+
+  eager  CUDA events around one call after a 256 MB read (L2 flushed) and a spin that keeps the GPU ahead of the
+         host: the decode suite's device time (seqlen_q 1)
+  graph  CUDA-graph replays of eight calls back to back (input copies in turn past L2), seqlen_q 1 and 4 (causal):
+         what a captured decode loop runs
+
+Each build's first output is compared with the other's bitwise.
+
+    python benchmarks/ab_sweep.py prepare BASE_COMMIT      # writes ab-base/flashtriton_base
+    PYTHONPATH=src:ab-base python benchmarks/decode_builds_ab.py --out decode_builds_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+
+import flashtriton_base
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashtriton
+
+HEADS, HEADS_K = 32, 8
+BUILDS = {"base": flashtriton_base, "head": flashtriton}
+
+
+def _cudnn(q, k, v, causal=False):
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+
+def eager_us(fn, flush: torch.Tensor, calls: int) -> list[float]:
+    """Device microseconds of ``calls`` calls, each after an L2 flush and a spin."""
+    events = []
+    for _ in range(calls):
+        flush.sum()
+        torch.cuda._sleep(200_000)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) * 1e3 for start, end in events]
+
+
+def graph_us(fn, inputs: int, calls: int = 8) -> float:
+    """Median microseconds per call over replays of a graph of ``calls`` calls, input copy i % inputs each."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(inputs):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i % inputs)
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def cell(d: int, batch: int, length: int, page: int, n_q: int, mode: str, rounds: int, flush) -> dict:
+    nbytes = 2 * batch * length * HEADS_K * d * 2
+    copies = 1 if mode == "eager" else max(1, min(8, math.ceil(300e6 / nbytes)))
+    caches = [[torch.randn(batch, length, HEADS_K, d, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+              for _ in range(copies)]  # fmt: skip
+    seqlens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    table = torch.randperm(batch * length // page, device="cuda").int().view(batch, -1) if page else None
+    paged = [[x.view(-1, page, HEADS_K, d) for x in c] if page else c for c in caches]
+    q = torch.randn(batch, n_q, HEADS, d, dtype=torch.bfloat16, device="cuda")
+    calls = {
+        name: lambda i=0, lib=lib: lib.flash_attn_with_kvcache(
+            q, *paged[i], cache_seqlens=seqlens, block_table=table, causal=n_q > 1
+        )
+        for name, lib in BUILDS.items()
+    }
+    equal = torch.equal(calls["base"](), calls["head"]())
+    if n_q == 1:
+        qt = q.transpose(1, 2).contiguous()
+        dense = [[x.transpose(1, 2).contiguous() for x in c] for c in caches]
+        calls["cudnn"] = lambda i=0: _cudnn(qt, *dense[i])
+    us: dict[str, list[float]] = {name: [] for name in calls}
+    for r in range(rounds):
+        for name, fn in calls.items() if r % 2 == 0 else list(calls.items())[::-1]:
+            us[name] += eager_us(fn, flush, 20) if mode == "eager" else [graph_us(fn, copies)]
+    median = {name: statistics.median(t) for name, t in us.items()}
+    return dict(mode=mode, head_dim=d, batch=batch, length=length, page=page, seqlen_q=n_q, us=median,
+                head_over_base=median["head"] / median["base"], bitwise_equal=equal)  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 32768])
+    parser.add_argument("--pages", type=int, nargs="+", default=[0, 16], help="0: a contiguous cache")
+    parser.add_argument("--modes", nargs="+", default=["eager", "graph"], choices=["eager", "graph"])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default="decode_builds_ab.json")
+    args = parser.parse_args()
+    flush = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device="cuda")
+    rows = []
+    for mode, d, batch, length, page in itertools.product(
+        args.modes, args.head_dims, args.batches, args.lengths, args.pages
+    ):
+        for n_q in (1,) if mode == "eager" else (1, 4):
+            row = cell(d, batch, length, page, n_q, mode, args.rounds, flush)
+            rows.append(row)
+            us = row["us"]
+            cudnn = f" cudnn {us['cudnn']:.2f}" if "cudnn" in us else ""
+            equal = "" if row["bitwise_equal"] else " NOT EQUAL"
+            name = f"{mode} D{d} B{batch} L{length} pages {page} q{n_q}"
+            print(f"{name}: base {us['base']:.2f} head {us['head']:.2f} ({row['head_over_base']:.3f}){cudnn}{equal}")
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
