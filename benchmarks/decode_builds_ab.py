@@ -4,8 +4,8 @@ random rows (contiguous, or as pages in a shuffled block table). Two timings:
 
   eager  CUDA events around one call after a 256 MB read (L2 flushed) and a spin that keeps the GPU ahead of the
          host: the decode suite's device time (seqlen_q 1)
-  graph  CUDA-graph replays of eight calls back to back (input copies in turn past L2), seqlen_q 1 and 4 (causal):
-         what a captured decode loop runs
+  graph  CUDA-graph replays of eight calls back to back (input copies in turn past L2; decode_tune.graph_us),
+         seqlen_q 1 and 4 (causal): what a captured decode loop runs
 
 Each build's first output is compared with the other's bitwise.
 
@@ -24,6 +24,7 @@ import statistics
 import flashtriton_base
 import torch
 import torch.nn.functional as F
+from decode_tune import graph_us  # (benchmarks/, the script's folder, is on the path)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtriton
@@ -50,29 +51,6 @@ def eager_us(fn, flush: torch.Tensor, calls: int) -> list[float]:
         events.append((start, end))
     torch.cuda.synchronize()
     return [start.elapsed_time(end) * 1e3 for start, end in events]
-
-
-def graph_us(fn, inputs: int, calls: int = 8) -> float:
-    """Median microseconds per call over replays of a graph of ``calls`` calls, input copy i % inputs each."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(inputs):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i % inputs)
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def cell(d: int, batch: int, length: int, page: int, n_q: int, mode: str, rounds: int, flush) -> dict:
