@@ -235,8 +235,8 @@ def test_hopper_plans_replay_the_first_calls_launches(head_dim, seqlen, causal, 
                 v = k
             leaves = [x.requires_grad_() for x in {id(x): x for x in (q, k, v)}.values()]
         out = flash_attn_func(q, k, v, causal=causal)
-        # the backward's route and plan come from the forward's and the gradients' layout: dO strided as a view of
-        # (B, H, N, D), or q itself (one tensor in two slots)
+        # a backward's plan is one layout's, the gradients' included: dO strided as a view of (B, H, N, D), or q
+        # itself (one tensor in two of the plan's slots)
         if grad == "strided":
             dout = torch.randn(2, 4, seqlen, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
         else:
@@ -251,7 +251,7 @@ def test_hopper_plans_replay_the_first_calls_launches(head_dim, seqlen, causal, 
     for layout, grad in calls:
         replays.clear()
         step(0, layout, grad=grad)  # records the backward's plan, and the forward's at a layout's first call
-        forward_kept = grad != "fresh"
+        forward_kept = grad != "fresh"  # (each layout's first call has fresh gradients)
         assert len(replays) == forward_kept
         replayed = step(1, layout, grad=grad)  # other inputs, other addresses
         assert len(replays) == forward_kept + 2

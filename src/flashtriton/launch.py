@@ -204,7 +204,7 @@ class Bound:
 
     def __init__(self, c_launch: Callable, template: list, slots: list[tuple[int, _Maps | None]], device: int):
         self.c_launch, self.template, self.slots, self.device = c_launch, template, slots, device
-        self.stream = driver.active.get_current_stream  # (a function of the device)
+        self.stream = driver.active.get_current_stream  # the device's current stream, looked up at each launch
 
     @classmethod
     def of(cls, kernel: Any, values: list, device: int, grid: tuple[int, ...]) -> tuple[Bound | None, list]:

@@ -38,11 +38,6 @@ def _launchers(family: str) -> ModuleType:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams):
     """(out, lse) of one call, lse None unless p.write_lse."""
-    return routed_forward(q, k, v, p)[:2]
-
-
-def routed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams):
-    """(out, lse, the route that served the call)."""
     if p.varlen:  # values, read on the host once per cu_seqlens tensor; here too for traced calls
         total_k = k.shape[0] if p.key_pages is None else host_read(p.cu_seqlens_k, "values", torch.Tensor.tolist)[-1]
         check_cu_seqlens(p.cu_seqlens_q, p.cu_seqlens_k, q.shape[0], total_k, p.max_seqlen_q, p.max_seqlen_k)
@@ -51,8 +46,8 @@ def routed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Attenti
     r = route.forward(q, k, v, p)
     if r.family == route.NONE:
         lse = keyless_lse(lse_shape(q, p.varlen), p, q.device) if p.write_lse else None
-        return torch.zeros_like(q, dtype=p.result_dtype(q.dtype)), lse, r
-    return *_launchers(r.family).forward(q, k, v, p, r), r
+        return torch.zeros_like(q, dtype=p.result_dtype(q.dtype)), lse
+    return _launchers(r.family).forward(q, k, v, p, r)
 
 
 def _unpaged(k: torch.Tensor, v: torch.Tensor, p: AttentionParams):
@@ -75,9 +70,9 @@ def _unpaged(k: torch.Tensor, v: torch.Tensor, p: AttentionParams):
     return k[pages, rows], v[pages, rows], replace(p, key_pages=None)
 
 
-def backward(dout, dlse, q, k, v, out, lse, p: AttentionParams, after: route.Route | None = None):
-    """dq, dk, dv, and dsinks (None without sinks). ``after``: the forward's route (route.backward)."""
-    r = route.backward(dout, dlse, q, k, v, out, lse, p, after=after)
+def backward(dout, dlse, q, k, v, out, lse, p: AttentionParams):
+    """dq, dk, dv, and dsinks (None without sinks)."""
+    r = route.backward(dout, dlse, q, k, v, out, lse, p)
     if r.family == route.NONE:  # out is 0: delta = -dLSE
         dsinks = sinks_grad(p, final_lse(lse, p), -dlse)
         dq, dk, dv = (torch.zeros_like(x, dtype=p.result_dtype(x.dtype)) for x in (q, k, v))
@@ -215,7 +210,7 @@ class _EagerAttention(torch.autograd.Function):
     # which costs a small call tens of microseconds of host time
     @staticmethod
     def forward(ctx, q, k, v, sinks, params: AttentionParams):  # sinks: params.sinks, an input autograd sees
-        out, lse, ctx.route = routed_forward(q, k, v, params)
+        out, lse = forward(q, k, v, params)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.params = params
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: _shared_zeros stands for dLSE
@@ -224,10 +219,7 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
-        def run(*tensors):
-            return backward(*tensors, ctx.params, ctx.route)
-
-        return *_gradients(ctx, dout, dlse, run, _shared_zeros), None
+        return *_gradients(ctx, dout, dlse, lambda *tensors: backward(*tensors, ctx.params), _shared_zeros), None
 
 
 def watched(*tensors: torch.Tensor) -> bool:

@@ -48,8 +48,6 @@ class Route:
     config: Any = None  # kernels.config's row for the family (None for none and torch)
     dq: str = ""  # the Hopper backward's dQ: FUSED or PAIR
     key: tuple | None = field(default=None, compare=False)  # the call's layout key, where launches may be replayed
-    # a remembered forward route's backward routes by the gradients' layout (backward's ``after``): they go with it
-    backwards: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __str__(self) -> str:
         return " ".join(filter(None, (self.family, self.dq, _describe(self.config))))
@@ -221,13 +219,9 @@ def _layout_key(kind: str, p: AttentionParams, tensors: tuple[torch.Tensor, ...]
 def tensors_layout(tensors) -> tuple:
     """What launches read of these tensors beyond their addresses: shapes, strides, dtypes, 16-byte alignment, and
     which of them are one tensor."""
-    return tuple([(x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0) for x in tensors]), _aliases(tensors)
-
-
-def _aliases(tensors) -> tuple[int, ...]:
-    """Which of these tensors are one: each one's first position."""
+    layout = tuple([(x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0) for x in tensors])  # (no generator)
     ids = [id(x) for x in tensors]
-    return tuple(map(ids.index, ids))
+    return layout, tuple(map(ids.index, ids))
 
 
 def _remembered(key: tuple | None, decide) -> Route:
@@ -245,23 +239,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
     return _remembered(key, lambda: _forward(q, k, v, p, gpu))
 
 
-_MAX_BACKWARDS = 16  # gradient layouts remembered per forward route
-
-
-def backward(
-    dout, dlse, q, k, v, out, lse, p: AttentionParams, gpu: str | None = None, after: Route | None = None
-) -> Route:
-    """The backward's route (dout, out shaped as q; dlse, lse as the forward's LSE). ``after``: the route of the
-    forward call that took q, k, v and p and returned out and lse, whose key then stands for their layouts, so that
-    the backward's route is remembered by the gradients' layout alone (on autograd's device thread, a small call's
-    host time is mostly Python, at about half its speed on the calling thread)."""
-    if gpu is None and after is not None and after.key is not None:
-        tensors = dout, dlse, q, k, v, out, lse
-        key = torch.cuda.current_device(), tensors_layout((dout, dlse))[0], _aliases(tensors)
-        route = after.backwards.get(key)
-        if route is None:
-            route = tables.put(after.backwards, key, backward(dout, dlse, q, k, v, out, lse, p), _MAX_BACKWARDS)
-        return route
+def backward(dout, dlse, q, k, v, out, lse, p: AttentionParams, gpu: str | None = None) -> Route:
+    """The backward's route (dout, out shaped as q; dlse, lse as the forward's LSE)."""
     key = _layout_key("backward", p, (dout, dlse, q, k, v, out, lse)) if gpu is None else None
     return _remembered(key, lambda: _backward(q, k, v, out, dout, p, gpu))
 
