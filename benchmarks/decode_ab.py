@@ -15,6 +15,7 @@ holds every median.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -45,7 +46,16 @@ def base_table(rev: str | None, path: str | None):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
-    return module.decode_config
+    head_table = config.decode_config  # (the working tree's: time_cells swaps config.decode_config later)
+
+    def table(*args, **kwargs) -> config.DecodeConfig:
+        """The base's choices as the working tree's DecodeConfig, which its launchers read: a field the base lacks
+        (pdl, say) keeps the working tree's value, so that only the table's choices differ."""
+        chosen, head = module.decode_config(*args, **kwargs), head_table(*args, **kwargs)
+        fields = {f.name: getattr(chosen, f.name) for f in dataclasses.fields(chosen) if hasattr(head, f.name)}
+        return dataclasses.replace(head, **fields)
+
+    return table
 
 
 def cells(head_dims, batches, lengths):

@@ -48,7 +48,7 @@ def _config(arch, head_dim, dtype, rows, pairs, capacity, sms, num_splits, page_
     splits = max(1, min(splits, -(-capacity // block_n)))
     by_tile = config.tile_pages(block_n, page_size)
     registers = chosen.max_registers if warps == chosen.num_warps else None  # the table's cap holds for its warps
-    return config.DecodeConfig(chosen.block_m, block_n, warps, stages, splits, by_tile, registers, chosen.pdl)
+    return config.DecodeConfig(chosen.block_m, block_n, warps, stages, splits, by_tile, registers, pdl=chosen.pdl)
 
 
 def forget_choices() -> None:

@@ -852,6 +852,31 @@ def test_cuda_graph_replays_decode_steps_with_new_lengths():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_decode_kernels_wait_for_the_previous_grid_first(monkeypatch):
+    """On Hopper the decode kernels launch with programmatic dependent launch, their programs placed while the kernel
+    before them finishes: each waits for it (griddepcontrol.wait) before its first global memory access, the append
+    kernel's writes to the cache and the split kernel's reads of it included."""
+    if route.arch(torch.device("cuda")) != "sm90":
+        pytest.skip("PDL is Hopper's (and needs the tested Triton's private API)")
+    launchers = decode_backend._APPEND, decode_backend._SPLIT, decode_backend._COMBINE
+    for launcher in launchers:
+        monkeypatch.setattr(launcher, "kernels", {})
+    monkeypatch.setattr(decode_backend, "_PLANS", {})
+    monkeypatch.setattr(decode_backend, "_SIGNED", {})
+    q = torch.randn(2, 1, 8, 64, dtype=torch.bfloat16, device="cuda")
+    k_cache, v_cache = (torch.randn(2, 512, 2, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    k, v = (torch.randn(2, 1, 2, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    seqlens = torch.tensor([100, 300], dtype=torch.int32, device="cuda")
+    flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, num_splits=4)
+    for launcher in launchers:
+        (kernel,) = launcher.kernels.values()
+        assert kernel.metadata.launch_pdl, launcher.fn.__name__
+        before, _, _ = kernel.asm["ptx"].partition("griddepcontrol.wait")
+        assert before != kernel.asm["ptx"], launcher.fn.__name__
+        assert not re.search(r"\b(ld|st|atom|red)\.global|cp\.async", before), launcher.fn.__name__
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("head_dim,seqlen_q,causal", [(64, 1, False), (64, 4, True), (128, 1, False), (128, 4, True)])
 def test_paged_split_kernels_fit_their_wave_and_pipeline(head_dim, seqlen_q, causal, monkeypatch):
     """A paged call's split kernel keeps within the registers that let its wave's programs share an SM

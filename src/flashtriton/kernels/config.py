@@ -558,9 +558,8 @@ def decode_config(
     splits, stages = decode_waves(programs, tiles, sms, wave)
     splits = num_splits or splits
     by_tile = tile_pages(block_n, page_size)
-    return DecodeConfig(
-        block_m, block_n, warps, stages, min(splits, tiles), by_tile, wave_registers(wave, warps), arch == "sm90"
-    )
+    splits, registers = min(splits, tiles), wave_registers(wave, warps)
+    return DecodeConfig(block_m, block_n, warps, stages, splits, by_tile, registers, pdl=arch == "sm90")
 
 
 def _wide_tiles(padded: int, programs: int, capacity: int, sms: int) -> bool:

@@ -43,8 +43,9 @@ Offsets: batch, page and head offsets are 64-bit; cache row numbers and position
 
 PDL: on Hopper each kernel is launched with programmatic dependent launch, so that its programs are placed while the
 kernel before it in the stream finishes (a short decode step's kernels take a few microseconds, and the gap between
-two about one): it waits for that kernel, and its writes, before its first memory access (follow). The split kernel
-lets the combine be placed once its programs are past their keys; the others leave that to their exit.
+two about one): it waits for that kernel, and its writes, before its first memory access (wait_for_previous_grid).
+The split kernel lets the next kernel (the combine, when there is one) be placed once its programs are past their
+keys; the others leave that to their exit.
 """
 
 import triton
@@ -143,7 +144,7 @@ def aligned_slots(first, b, BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr, BLO
 
 
 @triton.jit
-def follow(PDL: tl.constexpr):
+def wait_for_previous_grid(PDL: tl.constexpr):
     """Under programmatic dependent launch, waits for the kernel before this one in the stream to finish (its writes
     visible after): a kernel's first step, before any memory access."""
     if PDL:
@@ -170,7 +171,7 @@ def append_kv_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    follow(PDL)
+    wait_for_previous_grid(PDL)
     pid = tl.program_id(0)  # B * HKV on x, which takes more than y's 65535
     b = (pid // HKV).to(tl.int64)
     hk = (pid % HKV).to(tl.int64)
@@ -217,7 +218,7 @@ def decode_split_kernel(
     allocation). SINKS: (H,) fp32 logits that join each row's softmax (params.py), given only with SPLITS = 1 (split
     partials leave them to the combine). UPCAST: products in fp32 (Triton's interpreter computes bf16 tl.dot
     wrongly)."""
-    follow(PDL)
+    wait_for_previous_grid(PDL)
     ALIBI: tl.constexpr = ALIBI_SLOPES is not None
     pid = tl.program_id(0)
     b = (pid // HKV).to(tl.int64)
@@ -302,8 +303,8 @@ def decode_split_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if PDL:  # the combine's programs may be placed once every program is past its keys (let in at each kernel's
-        gdc_launch_dependents()  # start, back-to-back calls ran up to 1.24x slower: DECISIONS, "Decoding")
+    if PDL:  # the next kernel's programs may be placed once every program is past its keys; not at the start,
+        gdc_launch_dependents()  # where they took SMs from the calls after it (DECISIONS, "Decoding")
     if SINKS is not None:
         acc, m_i, l_i = add_sink(acc, m_i, l_i, tl.load(SINKS + h, mask=row_ok, other=float("-inf")) * LOG2E)
     # epilogue: rows that saw no key (nor a sink) get O = 0 and LSE = empty_lse (-inf partial, +inf final)
@@ -326,7 +327,7 @@ def decode_combine_kernel(
     """Row r = (b * N_Q + i) * H + h of O (contiguous (B, N_Q, H, D)) from PARTS: the partials O_s (SPLITS, ROWS, D),
     then their LSE_s (SPLITS, ROWS). O = sum_s exp(LSE_s - LSE) O_s with LSE = log(sum_s exp(LSE_s) +
     exp(SINKS[h])) (no SINKS: no term); a row empty in every split, with no sink, gets O = 0 and LSE = empty_lse."""
-    follow(PDL)
+    wait_for_previous_grid(PDL)
     r = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, BLOCK_S)
     split_ok = splits < SPLITS
