@@ -79,7 +79,7 @@ def _pages(cache: KVCache, cfg: config.DecodeConfig, split: bool = False) -> dic
 
 
 def _pdl(cfg: config.DecodeConfig) -> dict:
-    """The kernels' PDL flag and the launch option that goes with it (kernels/decode.py's follow)."""
+    """The kernels' PDL flag and the launch option that goes with it (kernels/decode.py's wait_for_previous_grid)."""
     return dict(PDL=cfg.pdl, launch_pdl=cfg.pdl)
 
 
