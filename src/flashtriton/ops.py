@@ -24,16 +24,13 @@ from . import route, schema, tables, torch_backend
 from .params import AttentionParams, final_lse, keyless_lse, lse_shape, sinks_grad
 from .validation import check_cu_seqlens, host_read
 
-_FAMILIES: dict[str, ModuleType] = {route.TORCH: torch_backend}
-
 
 def _launchers(family: str) -> ModuleType:
-    launchers = _FAMILIES.get(family)
-    if launchers is None:
-        from . import triton_backend  # imported at the first kernel call: triton reads TRITON_INTERPRET at import
+    if family == route.TORCH:
+        return torch_backend
+    from . import triton_backend  # imported lazily: triton reads TRITON_INTERPRET at import
 
-        launchers = _FAMILIES[family] = triton_backend
-    return launchers
+    return triton_backend
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams):

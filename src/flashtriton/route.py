@@ -219,8 +219,7 @@ def _layout_key(kind: str, p: AttentionParams, tensors: tuple[torch.Tensor, ...]
 def tensors_layout(tensors) -> tuple:
     """What launches read of these tensors beyond their addresses: shapes, strides, dtypes, 16-byte alignment, and
     which of them are one tensor."""
-    # (a list: tuple() of a generator costs a small call's key more)
-    layout = tuple([(x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0) for x in tensors])
+    layout = tuple((x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0) for x in tensors)
     ids = [id(x) for x in tensors]
     return layout, tuple(map(ids.index, ids))
 

@@ -128,8 +128,8 @@ def aligned_slots(first, b, BLOCK_TABLE, stride_tb, PAGE_SIZE: tl.constexpr, BLO
     """(block, row within it, rows to add) of the BLOCK_N cache rows from row ``first``, a multiple of PAGE_SIZE or of
     BLOCK_N, whichever is smaller (the one divides the other): a scalar block-table read per page the tile holds,
     each row's page chosen by its place in the tile alone, so that the compiler resolves it per register; the rows
-    within the page as the tile's own, the page's first row of the tile apart (``first % PAGE_SIZE``, a scalar). A
-    read per row, computed per row, had cost a third more instructions in the key loop (DECISIONS, "Decoding")."""
+    within the page as the tile's own, the page's first row of the tile apart (``first % PAGE_SIZE``, a scalar): fewer
+    instructions in the key loop than an entry read and an offset computed per row (DECISIONS, "Decoding")."""
     table = BLOCK_TABLE + b * stride_tb
     last = CAPACITY // PAGE_SIZE - 1
     at = first // PAGE_SIZE
