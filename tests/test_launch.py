@@ -11,7 +11,7 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.nvidia.compiler import CUDABackend
 from triton.runtime.jit import JITFunction
 
-from flashtriton import flash_attn_func, launch, triton_backend
+from flashtriton import flash_attn_func, launch, tables, triton_backend
 from helpers import hopper, poison_empty
 
 
@@ -181,6 +181,25 @@ def test_a_register_cap_holds_where_its_need_cannot_be_learnt(monkeypatch):
     kernel.run = lambda *a, warmup, **kw: object() if warmup else future(*a, warmup=warmup, **kw)
     launch.Launcher(kernel)[(1,)](x, maxnreg=launch.RegisterCap(128))
     assert kernel.compiles == [(False, 128)]
+
+
+class _Racing(dict):
+    """A table into which another thread inserts between iter() and next(): the iterator then raises."""
+
+    def __iter__(self):
+        entries = super().__iter__()
+        self[object()] = "another thread's"
+        return entries
+
+
+def test_a_full_table_drops_its_oldest_entry_and_survives_other_threads():
+    table = {}
+    for i in range(4):
+        assert tables.put(table, i, str(i), limit=3) == str(i)
+    assert list(table) == [1, 2, 3]
+    racing = _Racing({0: "0", 1: "1"})
+    tables.put(racing, 2, "2", limit=2)  # the oldest could not be found: none goes, the new one is in
+    assert racing[2] == "2" and 0 in racing
 
 
 @hopper
