@@ -1,5 +1,6 @@
 """Numerics of flash_attn_func against the fp64 reference, on every available target."""
 
+import contextlib
 from dataclasses import replace
 
 import pytest
@@ -249,6 +250,46 @@ def test_qkvpacked_gradient_reaches_packed_tensor(backend, shape):
     q, k, v = (x.detach().clone().requires_grad_() for x in qkv.detach().unbind(2))
     flash_attn_func(q, k, v, causal=True).backward(dout)
     torch.testing.assert_close(qkv.grad, torch.stack([q.grad, k.grad, v.grad], dim=2))
+
+
+def _transposed_storage(x: torch.Tensor) -> torch.Tensor:
+    """x's values in other storage: a (B, N, H, D) tensor as a view of (B, H, N, D), any other a fresh copy."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2) if x.dim() == 4 else x.clone()
+
+
+# self-attention (packed qkv); on the GPU the sm90 kernels' fused backward and their dQ pass (D=64 and 128, causal)
+HOOKED_SHAPES = {
+    "tiny": [Shape(2, 45, 45, 2, 2, 40)],
+    "cpu": [Shape(2, 300, 300, 4, 4, 72)],
+    "gpu": [Shape(2, 1000, 1000, 4, 4, 72), Shape(2, 2048, 2048, 4, 4, 64), Shape(2, 512, 512, 4, 4, 128)],
+}
+
+
+@pytest.mark.parametrize("backend,shape", target_params(HOOKED_SHAPES), indirect=["backend"])
+def test_saved_tensor_hooks_that_move_the_saved_tensors(backend, shape):
+    """Saved-tensor hooks hand the backward q, k, v, out and LSE in other storage and strides than the forward
+    saw (save_on_cpu copies packed qkv's views back contiguous): gradients as exact as without hooks, after a call
+    of the same layout without them (whose launches a later call may replay)."""
+    qkv = torch.randn(shape.batch, shape.n_q, 3, shape.heads, shape.head_dim, dtype=torch.float16,
+                      device=backend.device, requires_grad=True)  # fmt: skip
+    dout = torch.randn(shape.batch, shape.n_q, shape.heads, shape.head_dim, dtype=qkv.dtype, device=qkv.device)
+    q, k, v = qkv.detach().unbind(2)
+    dlse = torch.zeros(shape.batch, shape.heads, shape.n_q, device=qkv.device)
+    exact = reference_outputs(q, k, v, dout, dlse, causal=True)[2:]
+    plain = reference_outputs(q, k, v, dout, dlse, causal=True, compute_dtype=None)[2:]
+    hooks = (
+        contextlib.nullcontext(),
+        torch.autograd.graph.saved_tensors_hooks(lambda x: x, _transposed_storage),
+        torch.autograd.graph.save_on_cpu(),
+        contextlib.nullcontext(),
+    )
+    for hook in hooks:
+        qkv.grad = None
+        with hook:
+            out = flash_attn_qkvpacked_func(qkv, causal=True)
+        out.backward(dout)
+        for name, a, e, p in zip(("dq", "dk", "dv"), qkv.grad.unbind(2), exact, plain, strict=True):
+            assert_close_to_reference(f"{name} ({hook})", a, e, p)
 
 
 @pytest.mark.parametrize("backend,shape", target_params(ONE_SHAPE), indirect=["backend"])
