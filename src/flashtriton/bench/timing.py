@@ -55,6 +55,14 @@ def _in_turn(n: int, passes: int, take: Callable[[int], Any]) -> list[list]:
     return taken
 
 
+@functools.cache
+def _torch_first_backward() -> None:
+    """A process's first backward given a gradient imports torch modules (sympy among them: about 2.5 s on a CPU),
+    which would count in the first call of whichever provider ran first; run once before any first call."""
+    x = torch.ones(2, requires_grad=True)
+    (x * 2).backward(torch.ones(2))  # a gradient given, as the first calls give theirs
+
+
 def device_timer(device: torch.device, ahead: bool = False) -> Callable[[list[Callable]], list[float]]:
     """``time_all(calls)``: each call's median milliseconds, the calls timed one of each in turn rather than one
     after another in blocks: a GPU at its power cap drifts in clock under load, and a block's place in a round
@@ -250,6 +258,7 @@ class Trial:
         return result.unavailable is None
 
     def _first_call(self) -> None:
+        _torch_first_backward()
         case = self.result.case
         dtype = getattr(torch, case.dtype)
         shape = (case.batch, case.seqlen, case.heads, case.head_dim)
