@@ -316,10 +316,13 @@ def _signed_probs(q, k, params: AttentionParams, slopes, mask, first_batch: int)
         score_mod=params.score_mod, sinks=params.sinks,
     )  # fmt: skip
     probs = probs.transpose(1, 2)  # (batch, heads, n_q, n_k)
-    b = torch.arange(first_batch, first_batch + batch, device=q.device)[:, None, None, None]
-    h, i, j = (torch.arange(n, device=q.device) for n in (heads, n_q, n_k))
-    kept = dropout.keep(params.seed, b, h[:, None, None], i[:, None], j, params.dropout_p)
-    return torch.where(kept, probs, -probs)
+    b = torch.arange(first_batch, first_batch + batch, device=q.device)[:, None, None]
+    i, j = (torch.arange(n, device=q.device) for n in (n_q, n_k))
+    signed = torch.empty(probs.shape, dtype=probs.dtype, device=probs.device)
+    for h in range(heads):  # a head at a time: Philox's words are int64 tensors of the mask's size, several live at once
+        kept = dropout.keep(params.seed, b, h, i[:, None], j, params.dropout_p)
+        signed[:, h] = torch.where(kept, probs[:, h], -probs[:, h])
+    return signed
 
 
 def flash_attn_qkvpacked_func(
