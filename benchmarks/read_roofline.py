@@ -1,7 +1,8 @@
 """How fast this GPU reads a decode step's K and V at all: a plain streaming read of the same bytes beside
 flash_attn_with_kvcache and cuDNN SDPA (enable_gqa, on (B, H_KV, L, D) copies), timed as the decode suite times them
-(calls in turn, L2 flushed by a read, a spin keeping the GPU ahead of the host). The read's best TB/s over a few
-grids is the ceiling a decode kernel's effective bandwidth compares with at that size (issue 36: 4.5 TB/s at B8 32k).
+(calls in turn, L2 flushed by a read, a spin keeping the GPU ahead of the host). The best read's TB/s over a few
+configs is what streaming those bytes once reaches on the card: the reference a decode kernel's effective bandwidth
+compares with at that size (issue 36: 4.5 TB/s at B8 32k).
 
     PYTHONPATH=src python benchmarks/read_roofline.py [--out read_roofline.json]
 

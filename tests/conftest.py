@@ -23,21 +23,21 @@ if _WORKERS > 1:
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
 
 
-_KEPT_RESERVE = 4 * 2**30  # bytes of freed GPU memory a worker may keep cached between tests
+_KEPT_RESERVE = 4 * 2**30  # bytes of GPU memory (live and cached) past which a worker hands its cache back
 
 
 @pytest.fixture(autouse=True)
 def _poison_and_seed():
     """Uninitialised memory (torch.empty) is filled with NaN, so an output element a kernel
-    forgot to write fails the comparison instead of passing as 0. Fresh seed per test; after it, cached GPU memory
-    past _KEPT_RESERVE goes back to the card."""
+    forgot to write fails the comparison instead of passing as 0. Fresh seed per test; after it, a worker that holds
+    more than _KEPT_RESERVE of GPU memory hands its allocator's cache back."""
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = True
     torch.manual_seed(0)
     yield
     torch.use_deterministic_algorithms(False)
-    # GPU runs share one card among pytest-xdist's workers: a worker's allocator keeps what a large test freed (over
-    # 20 GiB), and the others ran out of memory beside it (2 of 1347 tests, -n 14 on an H200)
+    # GPU runs share one card among pytest-xdist's workers: what one worker's allocator keeps of a large test's
+    # memory, the others can run out of
     if torch.cuda.is_available() and torch.cuda.memory_reserved() > _KEPT_RESERVE:
         torch.cuda.empty_cache()
 

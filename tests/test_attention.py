@@ -268,8 +268,8 @@ HOOKED_SHAPES = {
 @pytest.mark.parametrize("backend,shape", target_params(HOOKED_SHAPES), indirect=["backend"])
 def test_saved_tensor_hooks_that_move_the_saved_tensors(backend, shape):
     """Saved-tensor hooks hand the backward q, k, v, out and LSE in other storage and strides than the forward
-    saw (save_on_cpu copies packed qkv's views back contiguous): gradients as exact as without hooks, after a call
-    of the same layout without them (whose launches a later call may replay)."""
+    saw (on the GPU save_on_cpu copies packed qkv's views back contiguous): gradients as exact as without hooks,
+    after a call of the same layout without them (whose launches a later call may replay)."""
     qkv = torch.randn(shape.batch, shape.n_q, 3, shape.heads, shape.head_dim, dtype=torch.float16,
                       device=backend.device, requires_grad=True)  # fmt: skip
     dout = torch.randn(shape.batch, shape.n_q, shape.heads, shape.head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -277,19 +277,19 @@ def test_saved_tensor_hooks_that_move_the_saved_tensors(backend, shape):
     dlse = torch.zeros(shape.batch, shape.heads, shape.n_q, device=qkv.device)
     exact = reference_outputs(q, k, v, dout, dlse, causal=True)[2:]
     plain = reference_outputs(q, k, v, dout, dlse, causal=True, compute_dtype=None)[2:]
-    hooks = (
-        contextlib.nullcontext(),
-        torch.autograd.graph.saved_tensors_hooks(lambda x: x, _transposed_storage),
-        torch.autograd.graph.save_on_cpu(),
-        contextlib.nullcontext(),
-    )
-    for hook in hooks:
+    hooks = {
+        "no hooks": contextlib.nullcontext(),
+        "transposed storage": torch.autograd.graph.saved_tensors_hooks(lambda x: x, _transposed_storage),
+        "save_on_cpu": torch.autograd.graph.save_on_cpu(),
+        "no hooks again": contextlib.nullcontext(),
+    }
+    for label, hook in hooks.items():
         qkv.grad = None
         with hook:
             out = flash_attn_qkvpacked_func(qkv, causal=True)
         out.backward(dout)
         for name, a, e, p in zip(("dq", "dk", "dv"), qkv.grad.unbind(2), exact, plain, strict=True):
-            assert_close_to_reference(f"{name} ({hook})", a, e, p)
+            assert_close_to_reference(f"{name} ({label})", a, e, p)
 
 
 @pytest.mark.parametrize("backend,shape", target_params(ONE_SHAPE), indirect=["backend"])

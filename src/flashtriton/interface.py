@@ -319,7 +319,7 @@ def _signed_probs(q, k, params: AttentionParams, slopes, mask, first_batch: int)
     b = torch.arange(first_batch, first_batch + batch, device=q.device)[:, None, None]
     i, j = (torch.arange(n, device=q.device) for n in (n_q, n_k))
     signed = torch.empty(probs.shape, dtype=probs.dtype, device=probs.device)
-    for h in range(heads):  # a head at a time: Philox's words are int64 tensors of the mask's size, several live at once
+    for h in range(heads):  # a head at a time: Philox's words are int64 tensors as large as the mask, several at once
         kept = dropout.keep(params.seed, b, h, i[:, None], j, params.dropout_p)
         signed[:, h] = torch.where(kept, probs[:, h], -probs[:, h])
     return signed

@@ -57,8 +57,8 @@ def _in_turn(n: int, passes: int, take: Callable[[int], Any]) -> list[list]:
 
 @functools.cache
 def _torch_first_backward() -> None:
-    """A process's first backward given a gradient imports torch modules (sympy among them: about 2.5 s on a CPU),
-    which would count in the first call of whichever provider ran first; run once before any first call."""
+    """A process's first backward given a gradient imports torch modules (sympy among them), which would count in
+    the first call of whichever provider ran first; run once before any first call."""
     x = torch.ones(2, requires_grad=True)
     (x * 2).backward(torch.ones(2))  # a gradient given, as the first calls give theirs
 
@@ -253,12 +253,12 @@ class Trial:
         elif result.provider == "standard" and not _standard_fits(result.case, device):
             result.unavailable = "N x N scores too large"
         else:
+            _torch_first_backward()
             with self._guard():
                 self._first_call()
         return result.unavailable is None
 
     def _first_call(self) -> None:
-        _torch_first_backward()
         case = self.result.case
         dtype = getattr(torch, case.dtype)
         shape = (case.batch, case.seqlen, case.heads, case.head_dim)
