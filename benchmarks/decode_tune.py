@@ -2,7 +2,7 @@
 (block_n, num_warps, num_stages, splits) configs, beside cuDNN SDPA (enable_gqa) in the same run.
 
     PYTHONPATH=src python benchmarks/decode_tune.py [--out decode_tune.json]
-    PYTHONPATH=src python benchmarks/decode_tune.py --paged      # contiguous against pages of 16, same configs
+    PYTHONPATH=src python benchmarks/decode_tune.py --paged      # contiguous against pages of 16 (--page), same configs
     PYTHONPATH=src python benchmarks/decode_tune.py --sweep [--paged] --configs 64/4/3 --shapes 8x32768
     PYTHONPATH=src python benchmarks/decode_tune.py --configs --paged   # the table alone (an A/B of two builds)
 
@@ -88,9 +88,9 @@ def graph_us(fn, inputs: int) -> float:
     return statistics.median(times)
 
 
-def _shape(batch: int, length: int, paged: bool, head_dim: int):
-    """cuDNN's time at this shape and our call on input copy i (paged: the same caches as pages of 16 in a shuffled
-    block table), with the number of copies."""
+def _shape(batch: int, length: int, paged: bool, head_dim: int, page: int = 16):
+    """cuDNN's time at this shape and our call on input copy i (paged: the same caches as pages of ``page`` rows in a
+    shuffled block table), with the number of copies."""
     nbytes = 2 * batch * length * HEADS_K * head_dim * 2
     copies = max(1, min(8, math.ceil(300e6 / nbytes)))
     q = torch.randn(batch, 1, HEADS, head_dim, dtype=torch.bfloat16, device="cuda")
@@ -104,7 +104,7 @@ def _shape(batch: int, length: int, paged: bool, head_dim: int):
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         cudnn = graph_us(lambda i: F.scaled_dot_product_attention(qt, *dense[i], enable_gqa=True), copies)
     dense.clear()  # the peer's copies freed before ours run
-    page, table = 16, None
+    table = None
     if paged:
         pages = batch * length // page
         table = torch.randperm(pages, device="cuda").to(torch.int32).view(batch, -1)
@@ -120,8 +120,8 @@ def _shape(batch: int, length: int, paged: bool, head_dim: int):
     return cudnn, ours, copies
 
 
-def tune(batch: int, length: int, sms: int, paged: bool, head_dim: int, candidates) -> dict[str, float]:
-    cudnn, ours, copies = _shape(batch, length, paged, head_dim)
+def tune(batch: int, length: int, sms: int, paged: bool, head_dim: int, candidates, page: int) -> dict[str, float]:
+    cudnn, ours, copies = _shape(batch, length, paged, head_dim, page)
     times = {"cudnn": cudnn}
     layouts = ((False, ""), (True, "paged ")) if paged else ((False, ""),)
     for paged_call, prefix in layouts:
@@ -151,10 +151,10 @@ def _resident(block_n: int, warps: int, stages: int) -> int:
     return 0
 
 
-def sweep(batch: int, length: int, sms: int, head_dim: int, configs, paged: bool) -> dict[str, float]:
+def sweep(batch: int, length: int, sms: int, head_dim: int, configs, paged: bool, page: int) -> dict[str, float]:
     """Split counts from 1 to 32, 48 to 128 by 16 and those filling whole waves, up to 24 programs per SM, for the
     configs; paged: the paged call's."""
-    cudnn, contiguous, copies = _shape(batch, length, paged, head_dim)
+    cudnn, contiguous, copies = _shape(batch, length, paged, head_dim, page)
     ours = (lambda i: contiguous(i, True)) if paged else contiguous
     times = {"cudnn": cudnn}
     _force(None)
@@ -178,8 +178,9 @@ def main() -> None:
     parser.add_argument(
         "--paged",
         action="store_true",
-        help="also time pages of 16 in a shuffled block table (with --sweep: those alone)",
+        help="also time pages (of --page rows) in a shuffled block table (with --sweep: those alone)",
     )
+    parser.add_argument("--page", type=int, default=16, help="rows per page with --paged (default 16)")
     parser.add_argument("--sweep", action="store_true", help="every split count for the configs")
     parser.add_argument(
         "--configs",
@@ -200,9 +201,9 @@ def main() -> None:
     rows = []
     for batch, length in shapes:
         if args.sweep:
-            times = sweep(batch, length, sms, args.head_dim, configs, args.paged)
+            times = sweep(batch, length, sms, args.head_dim, configs, args.paged, args.page)
         else:
-            times = tune(batch, length, sms, args.paged, args.head_dim, configs)
+            times = tune(batch, length, sms, args.paged, args.head_dim, configs, args.page)
         rows.append(dict(batch=batch, length=length, us=times))
         if args.out:  # after each shape: a run cut short keeps what it measured
             with open(args.out, "w") as f:

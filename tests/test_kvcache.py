@@ -581,17 +581,24 @@ def test_route_decides_the_decode_family_and_splits():
     for head_dim, block_n in ((64, 128), (96, 128), (256, 32)):  # wide for small grids only where D pads to 128
         c = route.decode(q.new_empty(2, 1, 32, head_dim), 8192, 8, 0, gpu="sm90", sms=132).config
         assert c.block_n == block_n, head_dim
-    # D=64: wide (256-row) tiles for grids past 2 per SM over long contiguous caches, on Hopper alone, split into
-    # waves of one program per SM that keep 95% of the SMs busy: 512 programs are 3.88 waves, 448 are 3.39 (split in
-    # two: 6.79), 320 are 2.42 (4.85)
+    # D=64: wide (256-row) tiles for grids past 2 per SM over long caches, contiguous or in pages of whole tiles, on
+    # Hopper alone, split into waves of one program per SM that keep 95% of the SMs busy: 512 programs are 3.88
+    # waves, 448 are 3.39 (split in two: 6.79), 320 are 2.42 (4.85)
     for batch, capacity, paged, gpu, splits in (
         (64, 32768, 0, "sm90", 1), (56, 32768, 0, "sm90", 2), (40, 131072, 0, "sm90", 2), (48, 32768, 0, "sm90", 1),
         (64, 16384, 0, "sm90", 0), (64, 32768, 16, "sm90", 0), (64, 32768, 0, "cuda", 0), (16, 131072, 0, "sm90", 0),
+        (64, 32768, 256, "sm90", 1), (40, 131072, 512, "sm90", 2), (64, 32768, 128, "sm90", 0),
+        (64, 16384, 256, "sm90", 0), (64, 32768, 256, "cuda", 0),
     ):  # fmt: skip
         many = q.new_empty(batch, 1, 32, 64)
         c = route.decode(many, capacity, 8, 0, gpu=gpu, sms=132, page_size=paged).config
         wide = (c.block_n, c.num_warps, c.num_stages, c.max_registers) == (256, 8, 3, None)
         assert (wide, c.splits if wide else 0) == (splits > 0, splits), (batch, capacity, paged, gpu)
+        assert not wide or c.tile_pages == (paged > 0)  # a tile's page by one block-table read
+    # D=128's wide tiles stay contiguous caches': over pages (even of whole tiles) they ran slower than the paged wave
+    two = q.new_empty(2, 1, 32, 128)
+    assert route.decode(two, 32768, 8, 0, gpu="sm90", sms=132).config.block_n == 128
+    assert route.decode(two, 32768, 8, 0, gpu="sm90", sms=132, page_size=256).config.block_n == 64
     assert config.full_waves(133, 1, 132, 0.95) == 1  # a split needs a tile
     assert config.full_waves(133, 5, 132, 0.95) == 3  # 4 splits of 5 tiles would leave one without
     assert config.full_waves(133, 2**20, 132, 0.95) == 4  # none reaches the fill: the fullest (532 of 660)
@@ -906,6 +913,37 @@ def test_paged_split_kernels_fit_their_wave_and_pipeline(head_dim, seqlen_q, cau
     if cfg.num_stages > 2:
         loop = kernel.asm["ttgir"].split("scf.for", 1)[1]
         assert int(re.search(r"ttg\.async_wait [^\n]*\{num = (\d+)", loop).group(1)) > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("page_size", [0, 256, 512])
+def test_wide_tiles_read_contiguous_caches_and_pages_of_whole_tiles(page_size, monkeypatch):
+    """Hopper's D=64 wide tiles (config._DECODE_WIDE: 256 rows, 8 warps, one program per SM), which a small grid
+    takes on a GPU pretended to have one SM: over a contiguous cache and over pages of whole tiles (a tile's page by
+    one block-table read), with leftpad starting a sequence inside a tile, appends crossing a tile and a causal q2,
+    the cache and out, LSE against the fp64 reference, in the splits the waves choose and in given ones."""
+    if route.arch(torch.device("cuda")) != "sm90":
+        pytest.skip("the wide tiles are Hopper's")
+    monkeypatch.setattr(route, "sm_count", lambda device: 1)
+    monkeypatch.setattr(config, "DECODE_WIDE_MIN_CAPACITY", 1024)
+    for name, module in (("_ROUTES", route), ("_PLANS", decode_backend), ("_SIGNED", decode_backend)):
+        monkeypatch.setattr(module, name, {})  # the routes and plans made here hold the pretended SM count
+    case = replace(
+        CASES["cpu"][0], name="wide", heads=8, heads_k=2, head_dim=64, page_size=page_size, capacity=2048,
+        seqlens=(1790, 700, 255), leftpad=(300, 0, 5), n_new=3, n_q=2, options=dict(causal=True),
+    )  # fmt: skip
+    inputs = _inputs(case, "cuda")
+    cfg = route.decode(inputs.q, case.capacity, case.heads_k, 0, page_size=page_size).config
+    assert (cfg.block_n, cfg.num_warps, cfg.tile_pages) == (256, 8, page_size > 0)
+    k_cache, v_cache, k, v = _expected(case, inputs)
+    exact = _reference(case, inputs, k, v, torch.float64)
+    plain = _reference(case, inputs, k, v, None)
+    for num_splits in (0, 1, 3):
+        out, lse, k_after, v_after = _call(inputs, num_splits)
+        _assert_cache("k_cache", k_after, k_cache, rotated=False)
+        _assert_cache("v_cache", v_after, v_cache, rotated=False)
+        assert_close_to_reference(f"out (splits {num_splits})", out, exact[0], plain[0])
+        assert_close_to_reference(f"lse (splits {num_splits})", lse, exact[1], plain[1])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

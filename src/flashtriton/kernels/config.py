@@ -498,7 +498,8 @@ _DECODE_TABLE = ((64, 128, 4), (128, 64, 4), (256, 32, 4))
 # SM at 3 stages (128 KB or more of shared memory, more than other GPUs' blocks get). At D=128 where the unsplit grid
 # fits one program per SM; at D=64 for grids past DECODE_WAVE's over caches of DECODE_WIDE_MIN_CAPACITY rows or more
 # (measured faster at 32k and 128k rows, slower at 4k; between them untested), split into waves of which at least
-# DECODE_WAVE_WIDE.fill of the SMs work (full_waves); _wide_tiles
+# DECODE_WAVE_WIDE.fill of the SMs work (full_waves), and there paged caches too whose pages hold whole tiles (one
+# block-table read a tile; D=128's wide tiles over pages ran slower than the paged wave's); _wide_tiles
 _DECODE_WIDE = {128: (128, 8), 64: (256, 8)}
 DECODE_WIDE_MIN_CAPACITY = 32768
 _INTERPRETER_DECODE = (16, 1)  # block_n, num_warps
@@ -549,7 +550,7 @@ def decode_config(
         _, block_n, warps = next(row for row in _DECODE_TABLE if padded <= row[0])
         if dtype == torch.float32:
             block_n = max(MIN_BLOCK, block_n // 2)
-        elif arch == "sm90" and page_size <= 0 and _wide_tiles(padded, programs, capacity, sms):
+        elif arch == "sm90" and _wide_tiles(padded, programs, capacity, sms, page_size):
             (block_n, warps), wave = _DECODE_WIDE[padded], DECODE_WAVE_WIDE
         deep = arch == "sm90" and page_size > 0 and padded >= 128 and dtype != torch.float32
     tiles = max(1, -(-capacity // block_n))
@@ -562,13 +563,14 @@ def decode_config(
     return DecodeConfig(block_m, block_n, warps, stages, splits, by_tile, registers, pdl=arch == "sm90")
 
 
-def _wide_tiles(padded: int, programs: int, capacity: int, sms: int) -> bool:
-    """Whether a contiguous cache's 2-byte call on Hopper takes the wide tiles (_DECODE_WIDE): at D=128 a grid of
-    one program per SM at most (split to one wave of them), at D=64 a grid past DECODE_WAVE's (unsplit) over a long
-    cache."""
+def _wide_tiles(padded: int, programs: int, capacity: int, sms: int, page_size: int) -> bool:
+    """Whether a 2-byte call on Hopper takes the wide tiles (_DECODE_WIDE): at D=128 a contiguous cache's grid of one
+    program per SM at most (split to one wave of them), at D=64 a grid past DECODE_WAVE's (unsplit) over a long
+    contiguous cache or one in pages of whole wide tiles."""
     if padded == 128:
-        return programs <= DECODE_WAVE_WIDE.per_sm * sms
-    return padded == 64 and programs > DECODE_WAVE.per_sm * sms and capacity >= DECODE_WIDE_MIN_CAPACITY
+        return page_size <= 0 and programs <= DECODE_WAVE_WIDE.per_sm * sms
+    whole_pages = page_size <= 0 or page_size % _DECODE_WIDE[64][0] == 0
+    return padded == 64 and whole_pages and programs > DECODE_WAVE.per_sm * sms and capacity >= DECODE_WIDE_MIN_CAPACITY
 
 
 def full_waves(programs: int, tiles: int, slots: int, fill: float, most: int = 4) -> int:
