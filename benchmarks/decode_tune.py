@@ -193,6 +193,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     shapes = SHAPES if not args.shapes else [tuple(map(int, s.split("x"))) for s in args.shapes]
+    if args.paged and any(length % args.page for _, length in shapes):
+        parser.error(f"--page {args.page} must divide every cache length: {shapes}")
     configs = SWEEP if args.sweep else CANDIDATES
     if args.configs is not None:
         configs = [tuple(map(int, c.split("/"))) for c in args.configs]
@@ -204,7 +206,7 @@ def main() -> None:
             times = sweep(batch, length, sms, args.head_dim, configs, args.paged, args.page)
         else:
             times = tune(batch, length, sms, args.paged, args.head_dim, configs, args.page)
-        rows.append(dict(batch=batch, length=length, us=times))
+        rows.append(dict(batch=batch, length=length, page=args.page if args.paged else 0, us=times))
         if args.out:  # after each shape: a run cut short keeps what it measured
             with open(args.out, "w") as f:
                 json.dump(rows, f, indent=1)

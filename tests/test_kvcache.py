@@ -595,7 +595,7 @@ def test_route_decides_the_decode_family_and_splits():
         wide = (c.block_n, c.num_warps, c.num_stages, c.max_registers) == (256, 8, 3, None)
         assert (wide, c.splits if wide else 0) == (splits > 0, splits), (batch, capacity, paged, gpu)
         assert not wide or c.tile_pages == (paged > 0)  # a tile's page by one block-table read
-    # D=128's wide tiles stay contiguous caches': over pages (even of whole tiles) they ran slower than the paged wave
+    # D=128's wide tiles stay contiguous caches': over pages (even of whole tiles) no better than the paged wave
     two = q.new_empty(2, 1, 32, 128)
     assert route.decode(two, 32768, 8, 0, gpu="sm90", sms=132).config.block_n == 128
     assert route.decode(two, 32768, 8, 0, gpu="sm90", sms=132, page_size=256).config.block_n == 64
