@@ -494,13 +494,12 @@ DECODE_TILE_PAGES_MAX_READS = 8
 INTERPRETER_SMS = 4  # the SM count the interpreter's split choice assumes (small grids of two tiles or more split)
 # (max head dim, block_n, num_warps) for 2-byte dtypes on CUDA GPUs, 16 KB K and V tiles each; fp32 halves block_n
 _DECODE_TABLE = ((64, 128, 4), (128, 64, 4), (256, 32, 4))
-# Hopper, 2-byte dtypes: 32 KB K/V tiles (block_n, num_warps by padded head dim), one program per
-# SM at 3 stages (128 KB or more of shared memory, more than other GPUs' blocks get). At D=128 where the unsplit grid
-# fits one program per SM; at D=64 for grids past DECODE_WAVE's over caches of DECODE_WIDE_MIN_CAPACITY rows or more
-# (measured faster at 32k and 128k rows, slower at 4k; between them untested), split into waves of which at least
-# DECODE_WAVE_WIDE.fill of the SMs work (full_waves), contiguous caches and there paged ones too whose pages hold
-# whole tiles (one block-table read a tile; D=128's wide tiles over pages were no better than the paged wave's);
-# _wide_tiles
+# Hopper, 2-byte dtypes: 32 KB K/V tiles (block_n, num_warps by padded head dim), one program per SM at 3 stages
+# (128 KB or more of shared memory, more than other GPUs' blocks get). At D=128 for contiguous caches whose unsplit
+# grid fits one program per SM; at D=64 for grids past DECODE_WAVE's over caches of DECODE_WIDE_MIN_CAPACITY rows or
+# more (measured faster at 32k and 128k rows, slower at 4k; between them untested), contiguous or in pages of whole
+# tiles (a tile's page one block-table read; D=128's wide tiles over pages were no better than the paged wave), split
+# into waves of which at least DECODE_WAVE_WIDE.fill of the SMs work (full_waves); _wide_tiles
 _DECODE_WIDE = {128: (128, 8), 64: (256, 8)}
 DECODE_WIDE_MIN_CAPACITY = 32768
 _INTERPRETER_DECODE = (16, 1)  # block_n, num_warps
