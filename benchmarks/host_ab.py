@@ -1,8 +1,9 @@
 """Host microseconds per eager call, a base build against this tree and cuDNN SDPA, in turn: flash_attn_func at a tiny
 shape (B1 N128 H1 D64, bf16: the GPU idles, so wall clock over many calls is host time) and flash_attn_with_kvcache
 decode steps (32 query heads on 8 K/V heads, D=128, bf16, cache_seqlens a tensor), with, for the decode steps, the
-device time the decode suite reads (CUDA events around a call after an L2 flush: the host's time where it exceeds
-the kernels'); then a cProfile of this tree's causal fwd+bwd.
+device time of an eager call (CUDA events around a call after an L2 flush, no spin ahead of it: the host's time where
+it exceeds the kernels', which the decode suite's timer, timing.TIMING_AHEAD, leaves out); then a cProfile of this
+tree's causal fwd+bwd.
 
     python benchmarks/ab_sweep.py prepare BASE_COMMIT          # on any machine: writes ab-base/flashtriton_base
     PYTHONPATH=src:ab-base python benchmarks/host_ab.py [--suite attention decode] [--out host_ab.json]
@@ -102,7 +103,8 @@ def wall_us(call, device: str, calls: int) -> float:
 
 
 def flushed_us(call, repeats: int = 200) -> float:
-    """Median device microseconds of a call between CUDA events after an L2 flush (the decode suite's timer)."""
+    """Median device microseconds of a call between CUDA events after an L2 flush, the host's time included where
+    it exceeds the kernels' (the decode suite's timer before TIMING_AHEAD)."""
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
     pairs = []
     for _ in range(repeats):
