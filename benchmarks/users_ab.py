@@ -37,6 +37,8 @@ CASES = [
     ("d64 causal n3072", 5, 3072, 32, 32, 64, True, False),
     ("d256 causal n1000", 16, 1000, 8, 8, 256, True, False),
     ("d128 dense n8000", 2, 8000, 16, 16, 128, False, False),
+    ("d64 dense n4000", 4, 4000, 32, 32, 64, False, False),
+    ("d256 dense n4000", 4, 4000, 8, 8, 256, False, False),
     ("d128 causal n2048", 8, 2048, 16, 16, 128, True, False),
     ("d64 dense n4096", 4, 4096, 32, 32, 64, False, False),
     ("d256 causal n1024", 16, 1024, 8, 8, 256, True, False),

@@ -15,9 +15,10 @@ warpgroup owns BLOCK_M query rows of a tile and streams the K/V tiles they see: 
 P = exp2(S * qk_scale - m), O += P V (P from registers). S_j is issued with P_{j-1} V_{j-1} and waited for alone, so
 that the softmax of tile j can run beside that P V. K and V have rings of their own (V_j is read a step after K_j
 and can do with fewer slots), and each consumer a ring of Q tiles, so the producer loads the next tile's Q and K/V
-while the consumers finish the current one. O goes out through shared memory and a TMA store (at D=256 in two column
-halves, for want of room), and a causal tile marked r = 1 hands its row blocks to the warpgroups in reverse where
-they see unequal numbers of key tiles.
+while the consumers finish the current one. A sequence without a band that ends inside a key tile streams that tile
+first (_step_tile), so that only the first step masks keys. O goes out through shared memory and a TMA store (at
+D=256 in two column halves, for want of room), and a causal tile marked r = 1 hands its row blocks to the
+warpgroups in reverse where they see unequal numbers of key tiles.
 
 Numerics: scores in base 2 (qk_scale = softmax_scale * LOG2E), so the running max m is in base-2 units; the running
 sum and O's accumulator are fp32; the LSE written out is natural-log. SINKS (H,) fp32 (natural units) or None: each
@@ -101,6 +102,18 @@ def _online_softmax(scores, m_i, l_i, rows, first_row, first_col, n, qk_scale, w
 
 
 @gluon.jit
+def _step_tile(j, n_tiles, ROTATE: gl.constexpr):
+    """The key tile (counted from the tile's first) that step j of a tile's K/V stream carries: tile j, or, with
+    ROTATE (a sequence without a band that may end inside its last key tile), that last tile first and then the
+    others in order, so that only the first step, outside the consumers' loop, masks keys past the end: a mask's
+    branch inside the loop, taken or not, cost the loop 1.4-4.4% (benchmarks/DECISIONS.md, "Users' shapes")."""
+    if ROTATE:
+        return (j + n_tiles - 1) % n_tiles
+    else:
+        return j
+
+
+@gluon.jit
 def _program_tiles(schedule, units, CAUSAL: gl.constexpr):
     """(where this program's list starts, how many tiles it runs): from schedule = (SCHEDULE, m_bits, h_bits), the
     table of schedule.py, or with schedule = () units pid, pid + P, ... of _forward_tile's own order, one or (causal)
@@ -172,7 +185,7 @@ def _block_of(w, r, consumers: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.
 @gluon.jit
 def _forward_producer(q_desc, k_desc, v_desc, q_rings, k_ring, v_ring, N, H, GROUP, CU_SEQLENS, units, schedule,
                       n_m, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+                      RAGGED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
     """For each of this program's tiles: each warpgroup's Q tile (into that warpgroup's ring of Q tiles; rows
     past a sequence's end too, which that warpgroup skips), then the tile's K and V tiles into their rings, K_j
     with V_{j-1} (the consumers read V_j a step after K_j)."""
@@ -189,11 +202,12 @@ def _forward_producer(q_desc, k_desc, v_desc, q_rings, k_ring, v_ring, N, H, GRO
                 row = seq0 + m0 + _block_of(w, r, len(q_rings), BLOCK_M, BLOCK_N) * BLOCK_M
                 fill((q_desc,), ([bc, row, h, 0],), q_rings[w], done)
             kv = [bc, seq0 + key0, h // GROUP, 0]
-            fill((k_desc,), (kv,), k_ring, it)
+            ROTATE: gl.constexpr = RAGGED and not CAUSAL  # in the consumers' order (_step_tile)
+            fill((k_desc,), (at(kv, _step_tile(0, n_tiles, ROTATE) * BLOCK_N),), k_ring, it)
             for j in range(1, n_tiles):
-                fill((k_desc,), (at(kv, j * BLOCK_N),), k_ring, it + j)
-                fill((v_desc,), (at(kv, (j - 1) * BLOCK_N),), v_ring, it + j - 1)
-            fill((v_desc,), (at(kv, (n_tiles - 1) * BLOCK_N),), v_ring, it + n_tiles - 1)
+                fill((k_desc,), (at(kv, _step_tile(j, n_tiles, ROTATE) * BLOCK_N),), k_ring, it + j)
+                fill((v_desc,), (at(kv, _step_tile(j - 1, n_tiles, ROTATE) * BLOCK_N),), v_ring, it + j - 1)
+            fill((v_desc,), (at(kv, _step_tile(n_tiles - 1, n_tiles, ROTATE) * BLOCK_N),), v_ring, it + n_tiles - 1)
             it += n_tiles
             done += 1
 
@@ -267,8 +281,11 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
     scores = warpgroup_mma_wait(0, deps=(scores, q_smem, k))[0]
     give(k_ring, it)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows_s)
-    p, m_i, l_i, alpha = _online_softmax(scores, m_i, gl.zeros([BLOCK_M], gl.float32, rows_s), rows, first_row, key0,
-                                         n, qk_scale, window_left, CAUSAL, LEFT, RAGGED, BLOCK_N, TREE)  # fmt: skip
+    ROTATE: gl.constexpr = RAGGED and not CAUSAL
+    first_col = key0 + _step_tile(0, n_tiles, ROTATE) * BLOCK_N
+    p, m_i, l_i, alpha = _online_softmax(scores, m_i, gl.zeros([BLOCK_M], gl.float32, rows_s), rows, first_row,
+                                         first_col, n, qk_scale, window_left, CAUSAL, LEFT, RAGGED, BLOCK_N,
+                                         TREE)  # fmt: skip
     p = gl.convert_layout(p.to(dtype), p_layout)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
     for j in range(1, n_tiles):
@@ -281,8 +298,8 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
         scores = warpgroup_mma_wait(1, deps=(scores, q_smem, k))[0]  # S_j done; P V_{j-1} may still run
         give(k_ring, it + j)
         p_next, m_i, l_i, alpha = _online_softmax(
-            scores, m_i, l_i, rows, first_row, key0 + j * BLOCK_N, n, qk_scale, window_left, CAUSAL, LEFT, RAGGED,
-            BLOCK_N, TREE,
+            scores, m_i, l_i, rows, first_row, key0 + _step_tile(j, n_tiles, ROTATE) * BLOCK_N, n, qk_scale,
+            window_left, CAUSAL, LEFT, RAGGED and not ROTATE, BLOCK_N, TREE,
         )  # fmt: skip
         acc = warpgroup_mma_wait(0, deps=(acc, p, v))[0]
         give(v_ring, it + j - 1)
@@ -431,7 +448,7 @@ def attention_forward_sm90_kernel(
                 (_forward_consumer, (shared, q1, 1, CAUSAL, LEFT, VARLEN, FLAT, RAGGED, CONSUMERS, BLOCK_N, D, HEAD_D,
                                      TREE_ROWS, PINGPONG)),
                 (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1), k_ring, v_ring, N, H, GROUP, CU_SEQLENS, units,
-                                     schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N)),
+                                     schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N)),
             ],
             [CONSUMER_WARPS, PRODUCER_WARPS],
             [TWO_CONSUMER_REGISTERS, PRODUCER_REGISTERS],
@@ -447,7 +464,8 @@ def attention_forward_sm90_kernel(
                 (_forward_consumer, (shared, q2, 2, CAUSAL, LEFT, VARLEN, FLAT, RAGGED, CONSUMERS, BLOCK_N, D, HEAD_D,
                                      TREE_ROWS, PINGPONG)),
                 (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1, q2), k_ring, v_ring, N, H, GROUP, CU_SEQLENS,
-                                     units, schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, BLOCK_M, BLOCK_N)),
+                                     units, schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M,
+                                     BLOCK_N)),
             ],
             [CONSUMER_WARPS, CONSUMER_WARPS, PRODUCER_WARPS],
             [THREE_CONSUMER_REGISTERS, THREE_CONSUMER_REGISTERS, PRODUCER_REGISTERS],
