@@ -28,6 +28,7 @@ from decode_tune import graph_us  # (benchmarks/, the script's folder, is on the
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtriton
+from flashtriton.bench.timing import device_timer
 
 HEADS, HEADS_K = 32, 8
 BUILDS = {"base": flashtriton_base, "head": flashtriton}
@@ -38,22 +39,7 @@ def _cudnn(q, k, v, causal=False):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
 
-def eager_us(fn, flush: torch.Tensor, calls: int) -> list[float]:
-    """Device microseconds of ``calls`` calls, each after an L2 flush and a spin."""
-    events = []
-    for _ in range(calls):
-        flush.sum()
-        torch.cuda._sleep(200_000)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) * 1e3 for start, end in events]
-
-
-def cell(d: int, batch: int, length: int, page: int, n_q: int, mode: str, rounds: int, flush) -> dict:
+def cell(d: int, batch: int, length: int, page: int, n_q: int, mode: str, rounds: int) -> dict:
     nbytes = 2 * batch * length * HEADS_K * d * 2
     copies = 1 if mode == "eager" else max(1, min(8, math.ceil(300e6 / nbytes)))
     caches = [[torch.randn(batch, length, HEADS_K, d, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
@@ -74,9 +60,12 @@ def cell(d: int, batch: int, length: int, page: int, n_q: int, mode: str, rounds
         dense = [[x.transpose(1, 2).contiguous() for x in c] for c in caches]
         calls["cudnn"] = lambda i=0: _cudnn(qt, *dense[i])
     us: dict[str, list[float]] = {name: [] for name in calls}
+    eager = device_timer(torch.device("cuda"), ahead=True)  # the decode suite's timer
     for r in range(rounds):
-        for name, fn in calls.items() if r % 2 == 0 else list(calls.items())[::-1]:
-            us[name] += eager_us(fn, flush, 20) if mode == "eager" else [graph_us(fn, copies)]
+        order = list(calls) if r % 2 == 0 else list(calls)[::-1]
+        times = [ms * 1e3 for ms in eager([calls[name] for name in order])] if mode == "eager" else None
+        for j, name in enumerate(order):
+            us[name].append(times[j] if times else graph_us(calls[name], copies))
     median = {name: statistics.median(t) for name, t in us.items()}
     return dict(mode=mode, head_dim=d, batch=batch, length=length, page=page, seqlen_q=n_q, us=median,
                 head_over_base=median["head"] / median["base"], bitwise_equal=equal)  # fmt: skip
@@ -92,13 +81,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default="decode_builds_ab.json")
     args = parser.parse_args()
-    flush = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device="cuda")
     rows = []
     for mode, d, batch, length, page in itertools.product(
         args.modes, args.head_dims, args.batches, args.lengths, args.pages
     ):
         for n_q in (1,) if mode == "eager" else (1, 4):
-            row = cell(d, batch, length, page, n_q, mode, args.rounds, flush)
+            row = cell(d, batch, length, page, n_q, mode, args.rounds)
             rows.append(row)
             us = row["us"]
             cudnn = f" cudnn {us['cudnn']:.2f}" if "cudnn" in us else ""
