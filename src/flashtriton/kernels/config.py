@@ -79,6 +79,10 @@ class HopperForwardConfig:
     o_pieces: int = 1  # stage_o: O goes out in this many column pieces (1 or 2) through a tile as much narrower
     tree_rows: bool = False  # the forward's row max and sum as trees of column halves, not chains
     pingpong: bool = False  # the forward's consumers issue their MMAs in turns (named barriers, FA3's ping-pong)
+    # causal: each tile streams its diagonal key tile first, where all its warpgroups' rows end in that one tile, so
+    # that the consumers' loop has no mask (kernels/hopper/forward.py, last_first; a dense sequence that ends inside
+    # a tile always streams its last tile first)
+    last_first: bool = False
 
     @property
     def rows(self) -> int:
@@ -210,6 +214,12 @@ _SM90_HOPPER_FORWARD_WIDE = {64: HopperForwardConfig(64, 128, 3, stage_o=True, c
 _SM90_HOPPER_FORWARD_WIDE_BAND = {64: HopperForwardConfig(64, 128, 3, stage_o=True, consumers=3, q_stages=2)}
 WIDE_SPAN = 1024
 WIDE_BAND_SPAN = 4096
+# Banded spans of LONG_BAND_SPAN keys or more (causal N >= 4096): the diagonal key tile first (last_first), which
+# takes the mask's branch out of the consumers' loop, but exposes the masked softmax of a tile's first step, beside
+# no P V: D=128 causal N=4096 and 16k 3-4% faster, N=1024 1% slower, D=64's two warpgroups 2-3% slower at N=1024 and
+# 4096 (DECISIONS, "Users' shapes")
+_SM90_HOPPER_FORWARD_LONG_BAND = {128: HopperForwardConfig(64, 128, 2, stage_o=True, q_stages=2, last_first=True)}
+LONG_BAND_SPAN = 2048
 # No row takes tree_rows: the row max and sum as chains were faster on the H200 (trees remain an autotune candidate).
 # Banded spans of SHORT_BAND_SPAN keys or fewer (causal N=512): 64-key tiles, whose diagonal tiles waste half as much;
 # at longer spans they lose, as they do unbanded.
@@ -346,8 +356,10 @@ def hopper_forward_config(
         return None
     if banded and span <= SHORT_BAND_SPAN:
         return _SM90_HOPPER_FORWARD_SHORT_BAND.get(width, _SM90_HOPPER_FORWARD[width])
-    if banded and span >= WIDE_BAND_SPAN:
-        return _SM90_HOPPER_FORWARD_WIDE_BAND.get(width, _SM90_HOPPER_FORWARD[width])
+    if banded and span >= WIDE_BAND_SPAN and width in _SM90_HOPPER_FORWARD_WIDE_BAND:
+        return _SM90_HOPPER_FORWARD_WIDE_BAND[width]
+    if banded and span >= LONG_BAND_SPAN:
+        return _SM90_HOPPER_FORWARD_LONG_BAND.get(width, _SM90_HOPPER_FORWARD[width])
     if not banded and span >= WIDE_SPAN:
         return _SM90_HOPPER_FORWARD_WIDE.get(width, _SM90_HOPPER_FORWARD[width])
     return _SM90_HOPPER_FORWARD[width]

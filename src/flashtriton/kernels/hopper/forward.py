@@ -25,6 +25,7 @@ sum and O's accumulator are fp32; the LSE written out is natural-log. SINKS (H,)
 row's sink is one more logit, folded into m and the sum after the row's last tile (params.py); it multiplies no V row.
 """
 
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma, warpgroup_mma, warpgroup_mma_wait
@@ -101,12 +102,22 @@ def _online_softmax(scores, m_i, l_i, rows, first_row, first_col, n, qk_scale, w
     return p, m_new, l_i * alpha + _row_sum(p, TREE), alpha
 
 
+@triton.constexpr_function
+def last_first(causal, left, ragged, consumers, block_m, block_n, diagonal_first):
+    """Whether a tile's K/V stream starts with its last key tile (_step_tile): the one tile whose keys the
+    consumers mask, so that only their first step, outside their loop, has a mask's branch (inside it, taken or
+    not, such a branch cost the loop 1.4-4.4%: benchmarks/DECISIONS.md, "Users' shapes"). So for a sequence
+    without a band that may end inside its last key tile (keys past the end), and, where the config asks for it
+    (diagonal_first: config.HopperForwardConfig.last_first), for a causal tile (no window) whose warpgroups all end in
+    one key tile, their diagonal's."""
+    causal_tile = causal and not left and consumers * block_m == block_n
+    return (ragged and not causal) or (diagonal_first and causal_tile)
+
+
 @gluon.jit
 def _step_tile(j, n_tiles, ROTATE: gl.constexpr):
     """The key tile (counted from the tile's first) that step j of a tile's K/V stream carries: tile j, or, with
-    ROTATE (a sequence without a band that may end inside its last key tile), that last tile first and then the
-    others in order, so that only the first step, outside the consumers' loop, masks keys past the end: a mask's
-    branch inside the loop, taken or not, cost the loop 1.4-4.4% (benchmarks/DECISIONS.md, "Users' shapes")."""
+    ROTATE (last_first), the last tile first and then the others in order."""
     if ROTATE:
         return (j + n_tiles - 1) % n_tiles
     else:
@@ -185,7 +196,7 @@ def _block_of(w, r, consumers: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.
 @gluon.jit
 def _forward_producer(q_desc, k_desc, v_desc, q_rings, k_ring, v_ring, N, H, GROUP, CU_SEQLENS, units, schedule,
                       n_m, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr,
-                      RAGGED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+                      ROTATE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
     """For each of this program's tiles: each warpgroup's Q tile (into that warpgroup's ring of Q tiles; rows
     past a sequence's end too, which that warpgroup skips), then the tile's K and V tiles into their rings, K_j
     with V_{j-1} (the consumers read V_j a step after K_j)."""
@@ -202,7 +213,6 @@ def _forward_producer(q_desc, k_desc, v_desc, q_rings, k_ring, v_ring, N, H, GRO
                 row = seq0 + m0 + _block_of(w, r, len(q_rings), BLOCK_M, BLOCK_N) * BLOCK_M
                 fill((q_desc,), ([bc, row, h, 0],), q_rings[w], done)
             kv = [bc, seq0 + key0, h // GROUP, 0]
-            ROTATE: gl.constexpr = RAGGED and not CAUSAL  # in the consumers' order (_step_tile)
             fill((k_desc,), (at(kv, _step_tile(0, n_tiles, ROTATE) * BLOCK_N),), k_ring, it)
             for j in range(1, n_tiles):
                 fill((k_desc,), (at(kv, _step_tile(j, n_tiles, ROTATE) * BLOCK_N),), k_ring, it + j)
@@ -256,8 +266,8 @@ def _pass(k_ring, v_ring, it, n, turns):
 
 @gluon.jit
 def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, n, qk_scale, window_left, turns,
-            CAUSAL: gl.constexpr, LEFT: gl.constexpr, RAGGED: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-            TREE: gl.constexpr):  # fmt: skip
+            CAUSAL: gl.constexpr, LEFT: gl.constexpr, RAGGED: gl.constexpr, ROTATE: gl.constexpr,
+            BLOCK_N: gl.constexpr, D: gl.constexpr, TREE: gl.constexpr):  # fmt: skip
     """One warpgroup's query rows (Q in q_smem, position q_at of q_ring) against n_tiles (K, V) tiles from
     position it of their rings on: (O unnormalised, row max, row sum). Tile j's S = Q K_j^T is issued together
     with tile j-1's O += P V_{j-1}, and the softmax of S_j comes between the waits for the two (which ptxas
@@ -281,7 +291,6 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
     scores = warpgroup_mma_wait(0, deps=(scores, q_smem, k))[0]
     give(k_ring, it)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows_s)
-    ROTATE: gl.constexpr = RAGGED and not CAUSAL
     first_col = key0 + _step_tile(0, n_tiles, ROTATE) * BLOCK_N
     p, m_i, l_i, alpha = _online_softmax(scores, m_i, gl.zeros([BLOCK_M], gl.float32, rows_s), rows, first_row,
                                          first_col, n, qk_scale, window_left, CAUSAL, LEFT, RAGGED, BLOCK_N,
@@ -299,7 +308,7 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
         give(k_ring, it + j)
         p_next, m_i, l_i, alpha = _online_softmax(
             scores, m_i, l_i, rows, first_row, key0 + _step_tile(j, n_tiles, ROTATE) * BLOCK_N, n, qk_scale,
-            window_left, CAUSAL, LEFT, RAGGED and not ROTATE, BLOCK_N, TREE,
+            window_left, CAUSAL and not ROTATE, LEFT, RAGGED and not ROTATE, BLOCK_N, TREE,
         )  # fmt: skip
         acc = warpgroup_mma_wait(0, deps=(acc, p, v))[0]
         give(v_ring, it + j - 1)
@@ -315,9 +324,9 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
 
 @gluon.jit
 def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
-                      VARLEN: gl.constexpr, FLAT: gl.constexpr, RAGGED: gl.constexpr, CONSUMERS: gl.constexpr,
-                      BLOCK_N: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, TREE: gl.constexpr,
-                      PINGPONG: gl.constexpr):  # fmt: skip
+                      VARLEN: gl.constexpr, FLAT: gl.constexpr, RAGGED: gl.constexpr, ROTATE: gl.constexpr,
+                      CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr,
+                      TREE: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
     """Warpgroup W's rows of each of this program's tiles (its Q tiles come through q_ring). It multiplies only
     the key tiles its rows see (causal, a tile of three warpgroups' rows streams more than its first warpgroup
     needs) and lets the others go by, as it does a whole tile whose rows start past the sequence's end. The
@@ -358,7 +367,7 @@ def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEF
             _pass(k_ring, v_ring, it, lead, turns)
             if n_own > 0:
                 acc, m_i, l_i = _attend(q_smem, q_ring, k_ring, v_ring, done, it + lead, first_row, own0, n_own, n,
-                                        qk_scale, window_left, turns, CAUSAL, LEFT, RAGGED, BLOCK_N, D,
+                                        qk_scale, window_left, turns, CAUSAL, LEFT, RAGGED, ROTATE, BLOCK_N, D,
                                         TREE)  # fmt: skip
                 scale = 1.0 / l_i
                 if len(sinks) > 0:  # one more logit: into the max and the sum; O's rescale joins the reciprocal
@@ -405,7 +414,7 @@ def attention_forward_sm90_kernel(
     qk_scale, window_left, CU_SEQLENS, units, SCHEDULE, m_bits, h_bits, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
     VARLEN: gl.constexpr, RAGGED: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, Q_STAGES: gl.constexpr, STAGES: gl.constexpr,
-    TREE_ROWS: gl.constexpr, PINGPONG: gl.constexpr,
+    TREE_ROWS: gl.constexpr, PINGPONG: gl.constexpr, LAST_FIRST: gl.constexpr,
 ):  # fmt: skip
     """Persistent: program i of P runs the tiles that SCHEDULE lists for it (schedule.py, each entry's batch, head
     and tile in bit fields m_bits and h_bits wide: _forward_tile) or, where SCHEDULE is None, units i, i + P, ... of
@@ -419,8 +428,10 @@ def attention_forward_sm90_kernel(
     each row's natural-log LSE, or None where the caller needs none; SINKS: (H,) fp32 logits, one more per row, or
     None. Rings of shared memory: Q_STAGES tiles per consumer warpgroup, STAGES K tiles and STAGES V tiles. CAUSAL:
     query i sees keys j <= i, and with LEFT only j >= i - window_left. TREE_ROWS: the softmax's row max and sum as
-    trees (_row_max). PINGPONG: the consumers issue their MMAs in turns (_await_turn)."""
+    trees (_row_max). PINGPONG: the consumers issue their MMAs in turns (_await_turn). LAST_FIRST: causal tiles
+    stream their diagonal key tile first where they can (last_first)."""
     FLAT: gl.constexpr = flat_view(q_desc, k_desc, v_desc, o_desc)
+    ROTATE: gl.constexpr = last_first(CAUSAL, LEFT, RAGGED, CONSUMERS, BLOCK_M, BLOCK_N, LAST_FIRST)
     k_ring = ring((tiles(k_desc, STAGES),), CONSUMERS)
     v_ring = ring((tiles(v_desc, STAGES),), CONSUMERS)
     q0 = ring((tiles(q_desc, Q_STAGES),), 1)
@@ -443,12 +454,12 @@ def attention_forward_sm90_kernel(
     if CONSUMERS == 2:
         gl.warp_specialize(
             [
-                (_forward_consumer, (shared, q0, 0, CAUSAL, LEFT, VARLEN, FLAT, RAGGED, CONSUMERS, BLOCK_N, D, HEAD_D,
-                                     TREE_ROWS, PINGPONG)),
-                (_forward_consumer, (shared, q1, 1, CAUSAL, LEFT, VARLEN, FLAT, RAGGED, CONSUMERS, BLOCK_N, D, HEAD_D,
-                                     TREE_ROWS, PINGPONG)),
+                (_forward_consumer, (shared, q0, 0, CAUSAL, LEFT, VARLEN, FLAT, RAGGED, ROTATE, CONSUMERS, BLOCK_N, D,
+                                     HEAD_D, TREE_ROWS, PINGPONG)),
+                (_forward_consumer, (shared, q1, 1, CAUSAL, LEFT, VARLEN, FLAT, RAGGED, ROTATE, CONSUMERS, BLOCK_N, D,
+                                     HEAD_D, TREE_ROWS, PINGPONG)),
                 (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1), k_ring, v_ring, N, H, GROUP, CU_SEQLENS, units,
-                                     schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N)),
+                                     schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, ROTATE, BLOCK_M, BLOCK_N)),
             ],
             [CONSUMER_WARPS, PRODUCER_WARPS],
             [TWO_CONSUMER_REGISTERS, PRODUCER_REGISTERS],
@@ -457,14 +468,14 @@ def attention_forward_sm90_kernel(
         q2 = ring((tiles(q_desc, Q_STAGES),), 1)
         gl.warp_specialize(
             [
-                (_forward_consumer, (shared, q0, 0, CAUSAL, LEFT, VARLEN, FLAT, RAGGED, CONSUMERS, BLOCK_N, D, HEAD_D,
-                                     TREE_ROWS, PINGPONG)),
-                (_forward_consumer, (shared, q1, 1, CAUSAL, LEFT, VARLEN, FLAT, RAGGED, CONSUMERS, BLOCK_N, D, HEAD_D,
-                                     TREE_ROWS, PINGPONG)),
-                (_forward_consumer, (shared, q2, 2, CAUSAL, LEFT, VARLEN, FLAT, RAGGED, CONSUMERS, BLOCK_N, D, HEAD_D,
-                                     TREE_ROWS, PINGPONG)),
+                (_forward_consumer, (shared, q0, 0, CAUSAL, LEFT, VARLEN, FLAT, RAGGED, ROTATE, CONSUMERS, BLOCK_N, D,
+                                     HEAD_D, TREE_ROWS, PINGPONG)),
+                (_forward_consumer, (shared, q1, 1, CAUSAL, LEFT, VARLEN, FLAT, RAGGED, ROTATE, CONSUMERS, BLOCK_N, D,
+                                     HEAD_D, TREE_ROWS, PINGPONG)),
+                (_forward_consumer, (shared, q2, 2, CAUSAL, LEFT, VARLEN, FLAT, RAGGED, ROTATE, CONSUMERS, BLOCK_N, D,
+                                     HEAD_D, TREE_ROWS, PINGPONG)),
                 (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1, q2), k_ring, v_ring, N, H, GROUP, CU_SEQLENS,
-                                     units, schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M,
+                                     units, schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, ROTATE, BLOCK_M,
                                      BLOCK_N)),
             ],
             [CONSUMER_WARPS, CONSUMER_WARPS, PRODUCER_WARPS],
