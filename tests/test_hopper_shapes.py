@@ -138,6 +138,11 @@ CASES = [  # (n, head dim, mode): lengths that end inside a tile, and a whole on
     (777, 256, "causal"),
     (2048, 128, "causal"),
     (4100, 128, "dense"),  # the D=128 fused backward (spans of 2048 and more) on a length that ends inside a tile
+    # the forward's key tile that needs a mask streamed first (forward.py, last_first): a long causal span's diagonal
+    # (config.LONG_BAND_SPAN) on a length that ends inside a tile, at 128 and in 128-wide tiles; three warpgroups
+    (4100, 128, "causal"),
+    (5000, 96, "causal"),
+    (4000, 64, "dense"),
     (17, 64, "causal"),  # shorter than one tile
     (113, 128, "dense"),
     # head dims between the kernels' widths, in tiles of the next width (the fused backward from 2048 keys at 128)
@@ -179,17 +184,24 @@ def test_gluon_kernels_on_users_shapes(n, head_dim, mode, layout, deterministic,
     assert ("_hopper_dkdv" in calls) == gluon_backward
 
 
+# documents that end inside tiles (one of a single row); the longest of the second set takes the forward's long
+# causal span (config.LONG_BAND_SPAN), whose diagonal key tiles stream first
+DOCUMENTS = {"short": [0, 1000, 1129, 4000, 4001, 6144], "long": [0, 1000, 6100, 6101, 6237]}
+
+
 @hopper
+@pytest.mark.parametrize("documents", list(DOCUMENTS))
 @pytest.mark.parametrize("head_dim", [128, 80])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
-def test_gluon_kernels_on_ragged_documents(causal, deterministic, head_dim, monkeypatch):
+def test_gluon_kernels_on_ragged_documents(causal, deterministic, head_dim, documents, monkeypatch):
     calls = _spy(monkeypatch)
-    starts = [0, 1000, 1129, 4000, 4001, 6144]
+    starts = DOCUMENTS[documents]
+    longest = max(b - a for a, b in itertools.pairwise(starts))
     cu = torch.tensor(starts, dtype=torch.int32, device="cuda")
     shapes = [(starts[-1], h, head_dim) for h in (8, 2, 2)]
     q, k, v = (torch.randn(s, device="cuda", dtype=torch.bfloat16).requires_grad_() for s in shapes)
-    out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, 2871, 2871, causal=causal, deterministic=deterministic,
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal, deterministic=deterministic,
                                          return_attn_probs=True)  # fmt: skip
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
     torch.autograd.backward((out, lse), (dout, dlse))

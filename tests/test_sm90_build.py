@@ -62,13 +62,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _build(head_dims: list[int], cases: list[str], fp32_cases: tuple[str, ...] = (), merges: bool = False) -> dict:
-    """compile_sm90's results for these builds and ``fp32_cases`` with fp32 results, by (head dim, case; " fp32"
-    after it for fp32 results), compiled in a Triton cache of their own: a kernel another process compiled (a GPU
-    test beside this one) is not counted."""
+def _build(
+    head_dims: list[int], cases: list[str], fp32_cases: tuple[str, ...] = (), merges: bool = False, seqlen: int = SEQLEN
+) -> dict:
+    """compile_sm90's results for these builds (at ``seqlen``) and ``fp32_cases`` with fp32 results, by (head dim,
+    case; " fp32" after it for fp32 results), compiled in a Triton cache of their own: a kernel another process
+    compiled (a GPU test beside this one) is not counted."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(flashtriton.__file__).parents[1]), env.get("PYTHONPATH", "")])
-    args = ["--head-dims", *map(str, head_dims), "--seqlen", str(SEQLEN), "--whole", "--json"]
+    args = ["--head-dims", *map(str, head_dims), "--seqlen", str(seqlen), "--whole", "--json"]
     args += ["--merges"] if merges else ["--cases", *cases]
     args += ["--fp32-cases", *fp32_cases] if fp32_cases else []
     with tempfile.TemporaryDirectory() as cache:
@@ -120,6 +122,15 @@ def test_sm90_banded_and_varlen_kernels_build(head_dim):
         _build([head_dim], ["window", "varlen tiles"]),
         {(head_dim, case): kernels for case in ("window", "varlen tiles")},
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim,seqlen,cases", [(128, 4095, ["dense", "causal"]), (64, 4095, ["dense"])])
+def test_sm90_forward_with_the_masked_key_tile_first_builds(head_dim, seqlen, cases):
+    """Forwards whose K/V stream starts with the one key tile that needs a mask (forward.py, last_first), spilling no
+    more than those at whole tiles: a length that ends inside a tile without a band (D=64: three warpgroups), and a
+    long causal span's diagonal (config.LONG_BAND_SPAN) on it."""
+    _check(_build([head_dim], cases, seqlen=seqlen), {(head_dim, case): {FORWARD} for case in cases})
 
 
 def test_ring_merge_kernels_build():

@@ -202,7 +202,8 @@ def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperFor
         *_strides(out, p.varlen), lse, **common, SINKS=p.sinks, units=units, SCHEDULE=table, m_bits=bits[0],
         h_bits=bits[1], CONSUMERS=cfg.consumers,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_STAGES=cfg.q_stages, STAGES=cfg.stages,
-        TREE_ROWS=cfg.tree_rows, PINGPONG=cfg.pingpong, LAST_FIRST=cfg.last_first,
+        TREE_ROWS=cfg.tree_rows, PINGPONG=cfg.pingpong,
+        LAST_FIRST=cfg.last_first and not common["LEFT"],  # (a window's tiles keep their order: one kernel variant)
     )  # fmt: skip
 
 

@@ -434,12 +434,14 @@ def hopper_forward_candidates(head_dim: int, table: HopperForwardConfig) -> list
         _SM90_HOPPER_FORWARD,
         _SM90_HOPPER_FORWARD_WIDE,
         _SM90_HOPPER_FORWARD_WIDE_BAND,
+        _SM90_HOPPER_FORWARD_LONG_BAND,
         _SM90_HOPPER_FORWARD_SHORT_BAND,
     )
     width = hopper_width(head_dim)
     rows = [band[width] for band in bands if width in band]
     slots = [replace(table, stages=table.stages + d) for d in (-1, 1) if table.stages + d >= 2]
-    return [*rows, *slots, replace(table, pingpong=not table.pingpong), replace(table, tree_rows=not table.tree_rows)]
+    flags = ("pingpong", "tree_rows", "last_first")
+    return [*rows, *slots, *(replace(table, **{flag: not getattr(table, flag)}) for flag in flags)]
 
 
 # Tiles of the PyTorch (CPU) path: large enough for efficient matmuls, small enough that the

@@ -15,10 +15,11 @@ warpgroup owns BLOCK_M query rows of a tile and streams the K/V tiles they see: 
 P = exp2(S * qk_scale - m), O += P V (P from registers). S_j is issued with P_{j-1} V_{j-1} and waited for alone, so
 that the softmax of tile j can run beside that P V. K and V have rings of their own (V_j is read a step after K_j
 and can do with fewer slots), and each consumer a ring of Q tiles, so the producer loads the next tile's Q and K/V
-while the consumers finish the current one. A sequence without a band that ends inside a key tile streams that tile
-first (_step_tile), so that only the first step masks keys. O goes out through shared memory and a TMA store (at
-D=256 in two column halves, for want of room), and a causal tile marked r = 1 hands its row blocks to the
-warpgroups in reverse where they see unequal numbers of key tiles.
+while the consumers finish the current one. The one key tile of a tile's stream that needs a mask can go first
+(last_first: a sequence without a band that ends inside it; a causal tile's diagonal, where the config asks), so that
+only the first step masks keys. O goes out through shared memory and a TMA store (at D=256 in two column halves,
+for want of room), and a causal tile marked r = 1 hands its row blocks to the warpgroups in reverse where they see
+unequal numbers of key tiles.
 
 Numerics: scores in base 2 (qk_scale = softmax_scale * LOG2E), so the running max m is in base-2 units; the running
 sum and O's accumulator are fp32; the LSE written out is natural-log. SINKS (H,) fp32 (natural units) or None: each
@@ -103,15 +104,16 @@ def _online_softmax(scores, m_i, l_i, rows, first_row, first_col, n, qk_scale, w
 
 
 @triton.constexpr_function
-def last_first(causal, left, ragged, consumers, block_m, block_n, diagonal_first):
+def last_first(causal, left, ragged, consumers, block_m, block_n, asked):
     """Whether a tile's K/V stream starts with its last key tile (_step_tile): the one tile whose keys the
     consumers mask, so that only their first step, outside their loop, has a mask's branch (inside it, taken or
     not, such a branch cost the loop 1.4-4.4%: benchmarks/DECISIONS.md, "Users' shapes"). So for a sequence
     without a band that may end inside its last key tile (keys past the end), and, where the config asks for it
-    (diagonal_first: config.HopperForwardConfig.last_first), for a causal tile (no window) whose warpgroups all end in
-    one key tile, their diagonal's."""
+    (asked: config.HopperForwardConfig.last_first), for a causal tile (no window) whose warpgroups all end in one key
+    tile, their diagonal's. Either way every warpgroup that multiplies the tile takes all of its key tiles (own0 is
+    key0 and n_own n_tiles in _forward_consumer), so that producer and consumers agree on the order."""
     causal_tile = causal and not left and consumers * block_m == block_n
-    return (ragged and not causal) or (diagonal_first and causal_tile)
+    return (ragged and not causal) or (asked and causal_tile)
 
 
 @gluon.jit
@@ -198,8 +200,8 @@ def _forward_producer(q_desc, k_desc, v_desc, q_rings, k_ring, v_ring, N, H, GRO
                       n_m, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr,
                       ROTATE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
     """For each of this program's tiles: each warpgroup's Q tile (into that warpgroup's ring of Q tiles; rows
-    past a sequence's end too, which that warpgroup skips), then the tile's K and V tiles into their rings, K_j
-    with V_{j-1} (the consumers read V_j a step after K_j)."""
+    past a sequence's end too, which that warpgroup skips), then the tile's K and V tiles into their rings in the
+    order of _step_tile, step j's K with step j-1's V (the consumers read V_j a step after K_j)."""
     it = 0
     done = 0
     first, count = _program_tiles(schedule, units, CAUSAL)
@@ -269,12 +271,12 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
             CAUSAL: gl.constexpr, LEFT: gl.constexpr, RAGGED: gl.constexpr, ROTATE: gl.constexpr,
             BLOCK_N: gl.constexpr, D: gl.constexpr, TREE: gl.constexpr):  # fmt: skip
     """One warpgroup's query rows (Q in q_smem, position q_at of q_ring) against n_tiles (K, V) tiles from
-    position it of their rings on: (O unnormalised, row max, row sum). Tile j's S = Q K_j^T is issued together
-    with tile j-1's O += P V_{j-1}, and the softmax of S_j comes between the waits for the two (which ptxas
-    moves to before the exps). K_j goes back once S_j is done, V_j once P V_j is, and Q once every S is, before the
-    last P V. With turns (_await_turn), the first S and each step's S and P V are issued in the warpgroup's turn, so
-    that the warpgroups' softmaxes run beside each other's MMAs (FlashAttention-3's ping-pong); the last P V, as
-    there, in none."""
+    position it of their rings on, in the order of _step_tile: (O unnormalised, row max, row sum). Step j's
+    S = Q K_j^T is issued together with step j-1's O += P V_{j-1}, and the softmax of S_j comes between the waits
+    for the two (which ptxas moves to before the exps). K_j goes back once S_j is done, V_j once P V_j is, and Q
+    once every S is, before the last P V. With turns (_await_turn), the first S and each step's S and P V are
+    issued in the warpgroup's turn, so that the warpgroups' softmaxes run beside each other's MMAs
+    (FlashAttention-3's ping-pong); the last P V, as there, in none."""
     BLOCK_M: gl.constexpr = q_smem.shape[0]
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(D)
