@@ -47,7 +47,7 @@ def patched(flat: bool | None = None, ragged: bool | None = None):
 
 
 def build(head_dim: int, batch: int, n: int, **variant):
-    """(a call replaying the variant's forward launch, its FLOPs, its max error against SDPA's math)."""
+    """(a call replaying the variant's forward launch, its FLOPs, its max error against SDPA on fp32 copies)."""
     q, k, v = (torch.randn(batch, n, HEADS, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     p = interface._params(q, k, v, None, False, (-1, -1), 0.0, None, 0.0, False, True, batch)
     r = route.forward(q, k, v, p)
