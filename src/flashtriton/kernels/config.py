@@ -216,8 +216,8 @@ WIDE_SPAN = 1024
 WIDE_BAND_SPAN = 4096
 # Banded spans of LONG_BAND_SPAN keys or more (causal N from 4095; windows launch without it): the diagonal key tile
 # first (last_first), which takes the mask's branch out of the consumers' loop but exposes the masked softmax of a
-# tile's first step, beside no P V: D=128 causal N=4096 and 16k 3-4% faster, N=1024 1% slower, D=64's two
-# warpgroups 2-3% slower at N=1024 and 4096 (DECISIONS, "Users' shapes")
+# tile's first step, beside no P V. That gains for D=128's long tiles only: shorter spans and D=64's softmax-heavy
+# steps lost (DECISIONS, "Users' shapes")
 _SM90_HOPPER_FORWARD_LONG_BAND = {128: HopperForwardConfig(64, 128, 2, stage_o=True, q_stages=2, last_first=True)}
 LONG_BAND_SPAN = 2048
 # No row takes tree_rows: the row max and sum as chains were faster on the H200 (trees remain an autotune candidate).

@@ -107,7 +107,7 @@ def _online_softmax(scores, m_i, l_i, rows, first_row, first_col, n, qk_scale, w
 def last_first(causal, left, ragged, consumers, block_m, block_n, asked):
     """Whether a tile's K/V stream starts with its last key tile (_step_tile): the one tile whose keys the
     consumers mask, so that only their first step, outside their loop, has a mask's branch (inside it, taken or
-    not, such a branch cost the loop 1.4-4.4%: benchmarks/DECISIONS.md, "Users' shapes"). So for a sequence
+    not, such a branch slows the loop: benchmarks/DECISIONS.md, "Users' shapes"). So for a sequence
     without a band that may end inside its last key tile (keys past the end), and, where the config asks for it
     (asked: config.HopperForwardConfig.last_first), for a causal tile (no window) whose warpgroups all end in one key
     tile, their diagonal's. Either way every warpgroup that multiplies the tile takes all of its key tiles (own0 is
