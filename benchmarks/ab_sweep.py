@@ -11,7 +11,8 @@ machine with the working tree, whose ``src`` is the head build.
 
 ``run`` times both builds' ``flash_attn_func`` on each case of the sweep (bf16, B * N = 16k tokens, H * D = 2048,
 N = 512..16k, causal and not) in each mode (``fwd``: an inference call, as the bench's; ``fwd_bwd``: forward and
-fresh gradients of q, k, v by ``torch.autograd.grad``), two ways: eager calls, each after an L2 flush with events
+fresh gradients of q, k, v by ``torch.autograd.grad``; on request ``fwd_train``: a training call's forward alone,
+which writes the LSE), two ways: eager calls, each after an L2 flush with events
 around it (the bench's timing, host time included), and CUDA-graph replays (the kernels alone), each build
 captured ``--captures`` times: one capture's memory placement alone moves its replays by up to about 1.5%, so a
 round's replay time is the median over the captures. The builds' calls are taken in turn (benchmarks/ab.py), over
@@ -187,6 +188,8 @@ def measure(
     def call(lib):
         if mode == "fwd":
             return torch.no_grad()(lambda: lib.flash_attn_func(q, k, v, causal=causal))
+        if mode == "fwd_train":
+            return lambda: lib.flash_attn_func(q, k, v, causal=causal)
         return lambda: torch.autograd.grad(lib.flash_attn_func(q, k, v, causal=causal), (q, k, v), grad)
 
     calls = {"base": call(builds[0]), "head": call(builds[1])}
@@ -241,8 +244,9 @@ def _header(args, base, head) -> dict:
             "each build captured ``captures`` times (placement: a capture's own memory pool moves it by up to about "
             "1.5%), a round's time the median over its captures; captures_ms: each capture's median",
             "spread": "max / min - 1 of a build's round medians, the larger of the two builds'",
-            "difference": "max |head - base| / max |base| of the first call's output (fwd) or gradients (fwd_bwd); "
-            "the fused Hopper backward adds dq up in no fixed order, so its last bits differ even within one build",
+            "difference": "max |head - base| / max |base| of the first call's output (fwd, fwd_train) or gradients "
+            "(fwd_bwd); the fused Hopper backward adds dq up in no fixed order, so its last bits differ even within "
+            "one build",
         },
     }
     try:
@@ -317,7 +321,7 @@ def main(argv=None) -> int:
     r = sub.add_parser("run", help="time both builds over the sweep (needs a CUDA GPU and PYTHONPATH=src:ab-base)")
     r.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256], help="one per call keeps it short")
     r.add_argument("--seqlens", type=int, nargs="+", default=list(SEQLENS))
-    r.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    r.add_argument("--modes", nargs="+", choices=(*MODES, "fwd_train"), default=list(MODES))
     r.add_argument("--rounds", type=int, default=7, help="rounds per timing; times are their medians (default 7)")
     r.add_argument("--round-ms", type=float, default=150.0, help="each build's calls per round, in ms (default 150)")
     r.add_argument(

@@ -103,6 +103,14 @@ def _online_softmax(scores, m_i, l_i, rows, first_row, first_col, n, qk_scale, w
     return p, m_new, l_i * alpha + _row_sum(p, TREE), alpha
 
 
+@gluon.jit
+def _log2(x):
+    """log2(x) by the hardware's approximation (absolute error about 2^-22; flash_attn's LSE takes a fast log too):
+    libdevice's exact log2 slowed the short D=64 forward by about 4% (benchmarks/DECISIONS.md, "Forward: Hopper
+    Gluon kernel")."""
+    return gl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
 @triton.constexpr_function
 def last_first(causal, left, ragged, consumers, block_m, block_n, asked):
     """Whether a tile's K/V stream starts with its last key tile (_step_tile): the one tile whose keys the
@@ -385,7 +393,7 @@ def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEF
                     LSE, stride_lb, stride_lh = lse_out
                     lse = LSE + b * stride_lb + h * stride_lh + lse0 + first_row
                     rows = gl.arange(0, BLOCK_M, rows_s)
-                    gl.store(lse + rows, (m_i + gl.log2(l_i)) * LN2, mask=first_row + rows < n)
+                    gl.store(lse + rows, (m_i + _log2(l_i)) * LN2, mask=first_row + rows < n)
                 coord = [bc, seq0 + first_row, h, 0]
                 if len(o_store) > 0 and not (VARLEN and RAGGED and first_row + BLOCK_M > n):
                     o_desc, o_bufs = o_store
