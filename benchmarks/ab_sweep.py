@@ -172,7 +172,7 @@ def _summary(rounds: dict[str, list[float]]) -> dict:
 
 def _difference(a, b) -> float:
     """max |a - b| over the outputs, relative to the largest |a|."""
-    pairs = list(zip(a, b, strict=True)) if isinstance(a, tuple) else [(a, b)]
+    pairs = [(x, y) for x, y in zip(a, b, strict=True) if x is not None] if isinstance(a, tuple) else [(a, b)]
     return max(((x.float() - y.float()).abs().max() / x.float().abs().max().clamp_min(1e-30)).item() for x, y in pairs)
 
 
@@ -188,8 +188,8 @@ def measure(
     def call(lib):
         if mode == "fwd":
             return torch.no_grad()(lambda: lib.flash_attn_func(q, k, v, causal=causal))
-        if mode == "fwd_train":
-            return lambda: lib.flash_attn_func(q, k, v, causal=causal)
+        if mode == "fwd_train":  # (out, lse, None): the difference covers the LSE
+            return lambda: lib.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
         return lambda: torch.autograd.grad(lib.flash_attn_func(q, k, v, causal=causal), (q, k, v), grad)
 
     calls = {"base": call(builds[0]), "head": call(builds[1])}
@@ -244,9 +244,9 @@ def _header(args, base, head) -> dict:
             "each build captured ``captures`` times (placement: a capture's own memory pool moves it by up to about "
             "1.5%), a round's time the median over its captures; captures_ms: each capture's median",
             "spread": "max / min - 1 of a build's round medians, the larger of the two builds'",
-            "difference": "max |head - base| / max |base| of the first call's output (fwd, fwd_train) or gradients "
-            "(fwd_bwd); the fused Hopper backward adds dq up in no fixed order, so its last bits differ even within "
-            "one build",
+            "difference": "max |head - base| / max |base| of the first call's output (fwd), output and LSE "
+            "(fwd_train) or gradients (fwd_bwd); the fused Hopper backward adds dq up in no fixed order, so its last "
+            "bits differ even within one build",
         },
     }
     try:

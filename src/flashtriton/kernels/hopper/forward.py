@@ -105,9 +105,7 @@ def _online_softmax(scores, m_i, l_i, rows, first_row, first_col, n, qk_scale, w
 
 @gluon.jit
 def _log2(x):
-    """log2(x) by the hardware's approximation (absolute error about 2^-22; flash_attn's LSE takes a fast log too):
-    libdevice's exact log2 slowed the short D=64 forward by about 4% (benchmarks/DECISIONS.md, "Forward: Hopper
-    Gluon kernel")."""
+    """log2 by lg2.approx.f32 (absolute error about 2^-22): the exact one cost training forwards 2-4% (DECISIONS)."""
     return gl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
 
 
