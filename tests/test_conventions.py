@@ -204,6 +204,29 @@ def test_a_window_bound_of_seqlen_k_or_more_is_none(backend):
     torch.testing.assert_close(varlen, unbounded.flatten(0, 1), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("backend", TARGETS, ids=str, indirect=True)
+def test_a_left_window_alone_is_bounded_right_at_seqlen_k(backend):
+    """flash_attn's C++ gives a left window without a right bound one of seqlen_k keys (max_seqlen_k, varlen): with
+    far more queries than keys, the first queries then see fewer keys, or none (out 0, LSE +inf, gradients 0)."""
+    q, k, v = random_qkv(Shape(2, 10, 3, 2, 1, 16), torch.float32, backend.device)
+    # query i sees keys i - 8 <= j <= i - 4 (offset 3 - 10): rows 0-3 none, rows 4-5 fewer than all three
+    _check(q, k, v, lambda *qkv: ft.flash_attn_func(*qkv, window_size=(1, -1), return_attn_probs=True), False,
+           window_size=(1, 3))  # fmt: skip
+    out, lse, _ = ft.flash_attn_func(q, k, v, window_size=(1, -1), return_attn_probs=True)
+    assert torch.equal(out[:, :4], torch.zeros_like(out[:, :4])) and torch.isinf(lse[..., :4]).all()
+    assert torch.equal(q.grad[:, :4], torch.zeros_like(q.grad[:, :4]))
+    packed = [x.detach().flatten(0, 1) for x in (q, k, v)]
+    cu_q, cu_k = (torch.tensor([0, n, 2 * n], dtype=torch.int32, device=q.device) for n in (10, 3))
+    varlen = ft.flash_attn_varlen_func(*packed, cu_q, cu_k, 10, 3, window_size=(1, -1))
+    torch.testing.assert_close(varlen, out.detach().flatten(0, 1))
+    # one query more than keys: flash_attn's right bound of seqlen_k hides nothing there (none is kept, the same out)
+    q2 = q[:, :4].detach()
+    exact, plain = (
+        ft.attention_reference(q2, k, v, window_size=(1, 3), compute_dtype=d)[0] for d in (torch.float64, None)
+    )
+    assert_close_to_reference("out", ft.flash_attn_func(q2, k, v, window_size=(1, -1)), exact, plain)
+
+
 def test_dropout_probs_carry_no_gradient():
     """return_attn_probs' P is for inspection: no gradient reaches q, k or ALiBi slopes through it, and it keeps no
     N x N graph alive."""

@@ -40,11 +40,15 @@ from .validation import (
 _Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]
 
 
-def _bounded_by(window_size, seqlen_k: int) -> tuple[int, int]:
-    """check_window's (left, right), with a bound of seqlen_k keys or more made none (-1), as flash_attn's C++ does
-    before anything else (a right bound that long still hides keys from the first queries when seqlen_q > seqlen_k;
-    flash_attn drops it)."""
-    return tuple(-1 if w >= seqlen_k else w for w in check_window(window_size))
+def _bounded_by(window_size, seqlen_k: int, seqlen_q: int) -> tuple[int, int]:
+    """check_window's (left, right) as flash_attn's C++ resolves them (seqlen_q, seqlen_k: varlen's maxima, a
+    cache's capacity): a bound of seqlen_k keys or more is none (-1), before anything else; then, beside a left
+    bound, no right bound is one of seqlen_k keys, which hides keys from the first queries where seqlen_q >
+    seqlen_k + 1 (kept as none elsewhere: the same mask, and the unbounded side's faster kernels)."""
+    left, right = (-1 if w >= seqlen_k else w for w in check_window(window_size))
+    if left >= 0 and right < 0 and seqlen_q > seqlen_k + 1:
+        right = seqlen_k
+    return left, right
 
 
 def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -97,7 +101,9 @@ def flash_attn_func(
     causal: query i sees key j iff j <= i + offset.
     window_size (left, right): query i sees key j iff i + offset - left <= j <= i + offset + right;
         -1 leaves that side unbounded; causal=True sets right to 0. Key tiles outside the band
-        are skipped, not masked. A tuple, list or integer tensor of two (read on the host).
+        are skipped, not masked. A tuple, list or integer tensor of two (read on the host). As in
+        flash_attn's C++, a bound of seqlen_k or more counts as -1, and a right -1 beside a left
+        bound as seqlen_k (which hides keys from the first queries when seqlen_q > seqlen_k + 1).
     A query row that sees no key gets an output of 0, an LSE of +inf and gradients of 0.
 
     softmax_scale: default 1 / sqrt(headdim) (the headdim passed, not a padded one); score = softmax_scale * q.k.
@@ -148,7 +154,7 @@ def flash_attn_func(
     q, k, v = _autocast(q, k, v)  # first: autocast may hand over q, k, v in different dtypes (a rotary in fp32)
     check_qkv(q, k, v)
     sinks = _one_sink(sinks, learnable_sink)
-    window = _bounded_by(window_size, k.shape[1])
+    window = _bounded_by(window_size, k.shape[1], q.shape[1])
     masks = _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window, alibi_slopes, sinks)
     params = _params(
         q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p, deterministic,
@@ -415,7 +421,7 @@ def flash_attn_varlen_func(
     q, k, v = _autocast(q, k, v)
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     sinks = _one_sink(sinks, learnable_sink)
-    window = _bounded_by(window_size, int(max_seqlen_k))
+    window = _bounded_by(window_size, int(max_seqlen_k), int(max_seqlen_q))
     varlen = dict(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q),
         max_seqlen_k=int(max_seqlen_k),
@@ -580,7 +586,7 @@ def flash_attn_with_kvcache(
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     # flash_attn's: a bound of capacity or more is none, and rotary turns the queries row by row only under a bound
-    window = _bounded_by(window_size, capacity)
+    window = _bounded_by(window_size, capacity, q.shape[1])
     params = _params(
         q, k_cache, v_cache, softmax_scale, causal, window, softcap, alibi_slopes, 0.0, False, return_softmax_lse,
         q.shape[0], gradients=False, sinks=sinks,
