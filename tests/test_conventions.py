@@ -219,12 +219,14 @@ def test_a_left_window_alone_is_bounded_right_at_seqlen_k(backend):
     cu_q, cu_k = (torch.tensor([0, n, 2 * n], dtype=torch.int32, device=q.device) for n in (10, 3))
     varlen = ft.flash_attn_varlen_func(*packed, cu_q, cu_k, 10, 3, window_size=(1, -1))
     torch.testing.assert_close(varlen, out.detach().flatten(0, 1))
-    # one query more than keys: flash_attn's right bound of seqlen_k hides nothing there (none is kept, the same out)
-    q2 = q[:, :4].detach()
-    exact, plain = (
-        ft.attention_reference(q2, k, v, window_size=(1, 3), compute_dtype=d)[0] for d in (torch.float64, None)
-    )
-    assert_close_to_reference("out", ft.flash_attn_func(q2, k, v, window_size=(1, -1)), exact, plain)
+    # one query more than keys: that bound hides nothing (none is kept, the same out); two more: it hides key 2 from
+    # query 0
+    for n_q in (4, 5):
+        q2 = q[:, :n_q].detach()
+        exact, plain = (
+            ft.attention_reference(q2, k, v, window_size=(1, 3), compute_dtype=d)[0] for d in (torch.float64, None)
+        )
+        assert_close_to_reference("out", ft.flash_attn_func(q2, k, v, window_size=(1, -1)), exact, plain)
 
 
 def test_dropout_probs_carry_no_gradient():

@@ -133,6 +133,11 @@ def _cases(tiny: bool) -> list[Case]:
         "window-of-capacity": replace(
             base, rotary_dim=8, n_q=2, n_new=2, options=dict(window_size=(base.capacity, base.capacity))
         ),
+        # more queries than the capacity + 1 under a left window alone: flash_attn bounds the right at the capacity,
+        # which hides the last cache row from the first query
+        "left-window-many-queries": replace(
+            base, n_q=base.capacity + 2, n_new=0, seqlens=(base.capacity, 9), options=dict(window_size=(30, -1))
+        ),
         # sequence 0's second new row lands past the cache: dropped; its second query's rotary position is past the
         # cos / sin table: left unrotated
         "past-capacity": replace(
@@ -261,7 +266,8 @@ def _reference(case: Case, inputs: Inputs, k: torch.Tensor, v: torch.Tensor, com
     mask in absolute cache rows, as flash_attn's own kvcache test builds it (not the library's key slices): key row r
     counts iff leftpad <= r < seqlen + n_new and r is in the cache; query i sits at row seqlen + n_new - n_q + i (the
     append's end, whether or not it fit) for causal, the window and ALiBi; a window bound of the capacity or more is
-    none. compute_dtype None: in the inputs' dtype (plain attention's error)."""
+    none, and beside a left bound no right bound is one of the capacity (flash_attn's C++). compute_dtype None: in the
+    inputs' dtype (plain attention's error)."""
     kwargs, q = inputs.kwargs, inputs.q
     dtype = compute_dtype or q.dtype
     device, capacity = q.device, case.capacity
@@ -271,6 +277,8 @@ def _reference(case: Case, inputs: Inputs, k: torch.Tensor, v: torch.Tensor, com
     left, right = case.options.get("window_size", (-1, -1))
     right = 0 if causal else right
     left, right = (-1 if bound >= capacity else bound for bound in (left, right))
+    if left >= 0 and right < 0:
+        right = capacity
     if case.rotary_dim:
         step = int(left >= 0 or right >= 0)  # flash_attn's rule: per-row query positions only under a mask
         positions = seqlens + step * torch.arange(case.n_q, device=device)

@@ -407,7 +407,9 @@ def flash_attn_varlen_func(
     q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] against k, v[cu_seqlens_k[b]:cu_seqlens_k[b+1]].
     cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32, starting at 0, non-decreasing, ending at the
     packed length. max_seqlen_q, max_seqlen_k: at least the longest sequence (they size the grid).
-    Masks, offsets and dropout indices are per sequence (see flash_attn_func); alibi_slopes may be
+    Masks, offsets and dropout indices are per sequence (see flash_attn_func), but window_size resolves against
+    max_seqlen_k (flash_attn's C++): a bound of max_seqlen_k or more is none, and beside a left bound a right -1 is
+    max_seqlen_k (it hides keys in sequence b when seqlen_q_b > max_seqlen_k + 1); alibi_slopes may be
     (batch, nheads); sinks (or learnable_sink) are flash_attn_func's. Returns out (total_q, nheads, headdim), or (out,
     softmax_lse (nheads, total_q), probs (batch, nheads, max_seqlen_q, max_seqlen_k) or None).
 
@@ -540,7 +542,8 @@ def flash_attn_with_kvcache(
     Sequence b attends to cache rows [cache_leftpad[b], cache_seqlens[b] + seqlen_new): key j is row
     cache_leftpad[b] + j and seqlen_k is that range's length; causal, window_size and alibi_slopes are
     flash_attn_func's (aligned bottom-right, offset = seqlen_k - seqlen_q). A window bound of capacity or more counts
-    as none (flash_attn's). A query row that sees no key gets out 0 and LSE +inf.
+    as none, and beside a left bound a right -1 as the capacity (flash_attn's; it hides keys from the first queries
+    when seqlen_q > capacity + 1). A query row that sees no key gets out 0 and LSE +inf.
     rotary_cos, rotary_sin: (seqlen_ro >= capacity, rotary_dim / 2) in q's dtype, rotary_dim even and at most
         headdim; only with k, v. The new key j is rotated at position cache_seqlens[b] + j; the queries, under
         causal or a window, at cache_seqlens[b] + i, otherwise all at cache_seqlens[b] (flash_attn's rule: positions
