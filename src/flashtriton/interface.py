@@ -44,7 +44,7 @@ def _bounded_by(window_size, seqlen_k: int, seqlen_q: int) -> tuple[int, int]:
     """check_window's (left, right) as flash_attn's C++ resolves them (seqlen_q, seqlen_k: varlen's maxima, a
     cache's capacity): a bound of seqlen_k keys or more is none (-1), before anything else; then, beside a left
     bound, no right bound is one of seqlen_k keys, which hides keys from the first queries where seqlen_q >
-    seqlen_k + 1 (kept as none elsewhere: the same mask, and the unbounded side's faster kernels)."""
+    seqlen_k + 1 (kept as none elsewhere, where it hides nothing: the call then routes as it did before)."""
     left, right = (-1 if w >= seqlen_k else w for w in check_window(window_size))
     if left >= 0 and right < 0 and seqlen_q > seqlen_k + 1:
         right = seqlen_k
