@@ -17,6 +17,7 @@ Numerics: P = exp2(S * qk_scale - LSE * LOG2E), the forward's natural-log LSE ta
 and is scaled by softmax_scale once, at the end.
 """
 
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
@@ -36,7 +37,6 @@ from .primitives import (
     head_program,
     in_band,
     key_tiles,
-    keys_before,
     mma_layout,
     operand_layout,
     outside_band,
@@ -44,6 +44,7 @@ from .primitives import (
     resident,
     ring,
     rows_start,
+    step_tile,
     store,
     store_rows,
     take,
@@ -51,29 +52,73 @@ from .primitives import (
 )
 
 
+@triton.constexpr_function
+def last_first(causal, left, ragged, block_m, block_n):
+    """Whether the K/V stream starts with its last key tile (step_tile): the one tile that needs a mask, so that
+    the consumers' loop has no mask's branch. So for a sequence without a band that may end inside its last key
+    tile, and for causal rows without a window whose two warpgroups both end in that tile (their diagonal)."""
+    return (ragged and not causal) or (causal and not left and 2 * block_m == block_n)
+
+
 @gluon.jit
-def _dq_producer(k_desc, v_desc, kv_ring, kv, n_tiles, BLOCK_N: gl.constexpr):
-    """Streams n_tiles (K, V) tiles from coordinate kv on into kv_ring."""
+def _dq_producer(k_desc, v_desc, kv_ring, kv, n_tiles, ROTATE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Streams n_tiles (K, V) tiles from coordinate kv on into kv_ring, in step_tile's order."""
     for j in range(n_tiles):
-        fill((k_desc, v_desc), (at(kv, j * BLOCK_N), at(kv, j * BLOCK_N)), kv_ring, j)
+        tile = at(kv, step_tile(j, n_tiles, ROTATE) * BLOCK_N)
+        fill((k_desc, v_desc), (tile, tile), kv_ring, j)
+
+
+@gluon.jit
+def _band(p, rows, first_col, window_left, LEFT: gl.constexpr):
+    """p (queries x keys from first_col on) zeroed outside the causal band."""
+    cols = first_col + gl.arange(0, p.shape[1], gl.SliceLayout(0, p.type.layout))
+    return gl.where(in_band(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), window_left, LEFT), p, 0.0)
+
+
+@gluon.jit
+def _dq_step(dq, zero_s, q_smem, do_smem, kv_ring, j, first_row, rows, first_col, n, lse2, delta, qk_scale,
+             window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr, RAGGED: gl.constexpr,
+             MASK: gl.constexpr):  # fmt: skip
+    """dQ += dS K for the key tile at ring position j (keys from first_col on). MASK: 0, the tile needs no mask; 1,
+    a causal band's may (a branch on whether it does); 2, it does (no branch: the stream's first tile, last_first)."""
+    k, v = take(kv_ring, j)
+    scores = warpgroup_mma(q_smem, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dp = warpgroup_mma(do_smem, v.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    scores = warpgroup_mma_wait(1, deps=(scores, q_smem, k))[0]
+    p = gl.exp2(scores * qk_scale - lse2)
+    if CAUSAL:
+        if MASK == 2:
+            p = _band(p, rows, first_col, window_left, LEFT)
+        elif MASK == 1:
+            last_row = first_row + p.shape[0] - 1
+            if outside_band(first_row, last_row, first_col, first_col + p.shape[1] - 1, window_left, LEFT):
+                p = _band(p, rows, first_col, window_left, LEFT)
+    elif RAGGED and MASK == 2:  # keys past the sequence (causal: the rows stored see none; it is the last tile)
+        cols = first_col + gl.arange(0, p.shape[1], gl.SliceLayout(0, p.type.layout))
+        p = gl.where(gl.expand_dims(cols < n, 0), p, 0.0)
+    dp = warpgroup_mma_wait(0, deps=(dp, do_smem, v))[0]
+    ds = gl.convert_layout((p * (dp - delta)).to(q_smem.dtype), operand_layout(dq.shape[1]))
+    dq = warpgroup_mma(ds, k, dq, is_async=True)
+    dq = warpgroup_mma_wait(0, deps=(dq, k))[0]
+    give(kv_ring, j)
+    return dq
 
 
 @gluon.jit
 def _dq_consumer(dq_out, q_smem, do_smem, kv_ring, q_bar, lse_ptr, rows_ptrs, o_ptr, dlse_ptr, stride_o, coord,
                  first_row, n, key0, n_tiles, qk_scale, softmax_scale, window_left, CAUSAL: gl.constexpr,
-                 LEFT: gl.constexpr, VARLEN: gl.constexpr, RAGGED: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr):  # fmt: skip
+                 LEFT: gl.constexpr, VARLEN: gl.constexpr, RAGGED: gl.constexpr, ROTATE: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr):  # fmt: skip
     """One warpgroup's BLOCK_M query rows (those below the sequence's n): first delta = rowsum(dO * O) - dLSE (the
     portable path's preprocess kernel), stored for the dK/dV kernel with a copy of the LSE in its aligned rows
     (rows_ptrs: (DELTA, LSE_ROWS) there), then for each streamed key tile S = Q K^T and
-    dP = dO V^T (from shared memory), and dQ += dS K with dS from registers. dq_out: ((dQ's descriptor,) or () for
+    dP = dO V^T (from shared memory), and dQ += dS K with dS from registers (ROTATE: in step_tile's order, whose
+    first tile alone needs a mask: last_first). dq_out: ((dQ's descriptor,) or () for
     none, dQ, its strides), dQ written through the descriptor, or from registers where there is none (fp32 results)
     or a varlen sequence ends inside the rows."""
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(D)
-    a_layout: gl.constexpr = operand_layout(D)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    dtype: gl.constexpr = q_smem.dtype
 
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     dq = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
@@ -96,24 +141,16 @@ def _dq_consumer(dq_out, q_smem, do_smem, kv_ring, q_bar, lse_ptr, rows_ptrs, o_
     gl.store(delta_ptr + gl.arange(0, BLOCK_M, rows_s), delta, mask=room)
     gl.store(lse_rows_ptr + gl.arange(0, BLOCK_M, rows_s), lse, mask=room)
     delta = gl.expand_dims(delta, 1)
-    for j in range(n_tiles):
-        k, v = take(kv_ring, j)
-        scores = warpgroup_mma(q_smem, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dp = warpgroup_mma(do_smem, v.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        scores = warpgroup_mma_wait(1, deps=(scores, q_smem, k))[0]
-        p = gl.exp2(scores * qk_scale - lse2)
-        first_col = key0 + j * BLOCK_N
-        if CAUSAL:
-            if outside_band(first_row, first_row + BLOCK_M - 1, first_col, first_col + BLOCK_N - 1, window_left, LEFT):
-                cols = first_col + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
-                p = gl.where(in_band(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), window_left, LEFT), p, 0.0)
-        elif RAGGED:  # keys past the sequence (causal: the rows stored see none)
-            p = keys_before(p, first_col, n, 0.0)
-        dp = warpgroup_mma_wait(0, deps=(dp, do_smem, v))[0]
-        ds = gl.convert_layout((p * (dp - delta)).to(dtype), a_layout)
-        dq = warpgroup_mma(ds, k, dq, is_async=True)
-        dq = warpgroup_mma_wait(0, deps=(dq, k))[0]
-        give(kv_ring, j)
+    if ROTATE:  # the last key tile first, masked; the loop then needs no mask
+        dq = _dq_step(dq, zero_s, q_smem, do_smem, kv_ring, 0, first_row, rows, key0 + (n_tiles - 1) * BLOCK_N, n,
+                      lse2, delta, qk_scale, window_left, CAUSAL, LEFT, RAGGED, 2)  # fmt: skip
+        for j in range(1, n_tiles):
+            dq = _dq_step(dq, zero_s, q_smem, do_smem, kv_ring, j, first_row, rows, key0 + (j - 1) * BLOCK_N, n,
+                          lse2, delta, qk_scale, window_left, CAUSAL, LEFT, RAGGED, 0)  # fmt: skip
+    else:
+        for j in range(n_tiles):
+            dq = _dq_step(dq, zero_s, q_smem, do_smem, kv_ring, j, first_row, rows, key0 + j * BLOCK_N, n, lse2,
+                          delta, qk_scale, window_left, CAUSAL, LEFT, RAGGED, 1)  # fmt: skip
 
     dq_store, DQ, dq_strides = dq_out
     if len(dq_store) == 0 or (VARLEN and RAGGED and first_row + BLOCK_M > n):
@@ -152,6 +189,7 @@ def attention_backward_dq_sm90_kernel(
     do_bufs = resident(do_desc, q_bar, q, 2)
 
     key0, n_tiles = key_tiles(m0, 2 * BLOCK_M, N, window_left, CAUSAL, LEFT, BLOCK_N)
+    ROTATE: gl.constexpr = last_first(CAUSAL, LEFT, RAGGED, BLOCK_M, BLOCK_N)
     row = b * stride_lb + h * stride_lh + lse0 + m0  # of LSE and DLSE
     out_row = b * stride_rb + h * stride_rh + rows_start(CU_SEQLENS, b, VARLEN) + m0  # of DELTA and LSE_ROWS
     o = O + bc.to(gl.int64) * stride_ob + (seq0 + m0).to(gl.int64) * stride_om + h.to(gl.int64) * stride_oh
@@ -164,12 +202,13 @@ def attention_backward_dq_sm90_kernel(
             (_dq_consumer, (dq_out, q_bufs.index(0), do_bufs.index(0), kv_ring, q_bar, LSE + row,
                             (DELTA + out_row, LSE_ROWS + out_row), o,
                             DLSE + row, stride_om, q, m0, N, key0, n_tiles, qk_scale, softmax_scale, window_left,
-                            CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D, HEAD_D)),
+                            CAUSAL, LEFT, VARLEN, RAGGED, ROTATE, BLOCK_M, BLOCK_N, D, HEAD_D)),
             (_dq_consumer, (dq_out, q_bufs.index(1), do_bufs.index(1), kv_ring, q_bar, LSE + row + BLOCK_M,
                             (DELTA + out_row + BLOCK_M, LSE_ROWS + out_row + BLOCK_M), o + BLOCK_M * stride_om,
                             DLSE + row + BLOCK_M, stride_om, at(q, BLOCK_M), m0 + BLOCK_M, N, key0, n_tiles, qk_scale,
-                            softmax_scale, window_left, CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D, HEAD_D)),
-            (_dq_producer, (k_desc, v_desc, kv_ring, [bc, seq0 + key0, h // GROUP, 0], n_tiles, BLOCK_N)),
+                            softmax_scale, window_left, CAUSAL, LEFT, VARLEN, RAGGED, ROTATE, BLOCK_M, BLOCK_N, D,
+                            HEAD_D)),
+            (_dq_producer, (k_desc, v_desc, kv_ring, [bc, seq0 + key0, h // GROUP, 0], n_tiles, ROTATE, BLOCK_N)),
         ],
         [CONSUMER_WARPS, PRODUCER_WARPS],
         [TWO_CONSUMER_REGISTERS, PRODUCER_REGISTERS],

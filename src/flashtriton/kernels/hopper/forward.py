@@ -53,6 +53,7 @@ from .primitives import (
     query_tile,
     ring,
     stage_out,
+    step_tile,
     store_rows,
     take,
     tiles,
@@ -111,7 +112,7 @@ def _log2(x):
 
 @triton.constexpr_function
 def last_first(causal, left, ragged, consumers, block_m, block_n, asked):
-    """Whether a tile's K/V stream starts with its last key tile (_step_tile): the one tile whose keys the
+    """Whether a tile's K/V stream starts with its last key tile (step_tile): the one tile whose keys the
     consumers mask, so that only their first step, outside their loop, has a mask's branch (inside it, taken or
     not, such a branch slows the loop: benchmarks/DECISIONS.md, "Users' shapes"). So for a sequence
     without a band that may end inside its last key tile (keys past the end), and, where the config asks for it
@@ -120,16 +121,6 @@ def last_first(causal, left, ragged, consumers, block_m, block_n, asked):
     key0 and n_own n_tiles in _forward_consumer), so that producer and consumers agree on the order."""
     causal_tile = causal and not left and consumers * block_m == block_n
     return (ragged and not causal) or (asked and causal_tile)
-
-
-@gluon.jit
-def _step_tile(j, n_tiles, ROTATE: gl.constexpr):
-    """The key tile (counted from the tile's first) that step j of a tile's K/V stream carries: tile j, or, with
-    ROTATE (last_first), the last tile first and then the others in order."""
-    if ROTATE:
-        return (j + n_tiles - 1) % n_tiles
-    else:
-        return j
 
 
 @gluon.jit
@@ -207,7 +198,7 @@ def _forward_producer(q_desc, k_desc, v_desc, q_rings, k_ring, v_ring, N, H, GRO
                       ROTATE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
     """For each of this program's tiles: each warpgroup's Q tile (into that warpgroup's ring of Q tiles; rows
     past a sequence's end too, which that warpgroup skips), then the tile's K and V tiles into their rings in the
-    order of _step_tile, step j's K with step j-1's V (the consumers read V_j a step after K_j)."""
+    order of step_tile, step j's K with step j-1's V (the consumers read V_j a step after K_j)."""
     it = 0
     done = 0
     first, count = _program_tiles(schedule, units, CAUSAL)
@@ -221,11 +212,11 @@ def _forward_producer(q_desc, k_desc, v_desc, q_rings, k_ring, v_ring, N, H, GRO
                 row = seq0 + m0 + _block_of(w, r, len(q_rings), BLOCK_M, BLOCK_N) * BLOCK_M
                 fill((q_desc,), ([bc, row, h, 0],), q_rings[w], done)
             kv = [bc, seq0 + key0, h // GROUP, 0]
-            fill((k_desc,), (at(kv, _step_tile(0, n_tiles, ROTATE) * BLOCK_N),), k_ring, it)
+            fill((k_desc,), (at(kv, step_tile(0, n_tiles, ROTATE) * BLOCK_N),), k_ring, it)
             for j in range(1, n_tiles):
-                fill((k_desc,), (at(kv, _step_tile(j, n_tiles, ROTATE) * BLOCK_N),), k_ring, it + j)
-                fill((v_desc,), (at(kv, _step_tile(j - 1, n_tiles, ROTATE) * BLOCK_N),), v_ring, it + j - 1)
-            fill((v_desc,), (at(kv, _step_tile(n_tiles - 1, n_tiles, ROTATE) * BLOCK_N),), v_ring, it + n_tiles - 1)
+                fill((k_desc,), (at(kv, step_tile(j, n_tiles, ROTATE) * BLOCK_N),), k_ring, it + j)
+                fill((v_desc,), (at(kv, step_tile(j - 1, n_tiles, ROTATE) * BLOCK_N),), v_ring, it + j - 1)
+            fill((v_desc,), (at(kv, step_tile(n_tiles - 1, n_tiles, ROTATE) * BLOCK_N),), v_ring, it + n_tiles - 1)
             it += n_tiles
             done += 1
 
@@ -277,7 +268,7 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
             CAUSAL: gl.constexpr, LEFT: gl.constexpr, RAGGED: gl.constexpr, ROTATE: gl.constexpr,
             BLOCK_N: gl.constexpr, D: gl.constexpr, TREE: gl.constexpr):  # fmt: skip
     """One warpgroup's query rows (Q in q_smem, position q_at of q_ring) against n_tiles (K, V) tiles from
-    position it of their rings on, in the order of _step_tile: (O unnormalised, row max, row sum). Step j's
+    position it of their rings on, in the order of step_tile: (O unnormalised, row max, row sum). Step j's
     S = Q K_j^T is issued together with step j-1's O += P V_{j-1}, and the softmax of S_j comes between the waits
     for the two (which ptxas moves to before the exps). K_j goes back once S_j is done, V_j once P V_j is, and Q
     once every S is, before the last P V. With turns (_await_turn), the first S and each step's S and P V are
@@ -299,7 +290,7 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
     scores = warpgroup_mma_wait(0, deps=(scores, q_smem, k))[0]
     give(k_ring, it)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows_s)
-    first_col = key0 + _step_tile(0, n_tiles, ROTATE) * BLOCK_N
+    first_col = key0 + step_tile(0, n_tiles, ROTATE) * BLOCK_N
     p, m_i, l_i, alpha = _online_softmax(scores, m_i, gl.zeros([BLOCK_M], gl.float32, rows_s), rows, first_row,
                                          first_col, n, qk_scale, window_left, CAUSAL, LEFT, RAGGED, BLOCK_N,
                                          TREE)  # fmt: skip
@@ -315,7 +306,7 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
         scores = warpgroup_mma_wait(1, deps=(scores, q_smem, k))[0]  # S_j done; P V_{j-1} may still run
         give(k_ring, it + j)
         p_next, m_i, l_i, alpha = _online_softmax(
-            scores, m_i, l_i, rows, first_row, key0 + _step_tile(j, n_tiles, ROTATE) * BLOCK_N, n, qk_scale,
+            scores, m_i, l_i, rows, first_row, key0 + step_tile(j, n_tiles, ROTATE) * BLOCK_N, n, qk_scale,
             window_left, CAUSAL and not ROTATE, LEFT, RAGGED and not ROTATE, BLOCK_N, TREE,
         )  # fmt: skip
         acc = warpgroup_mma_wait(0, deps=(acc, p, v))[0]

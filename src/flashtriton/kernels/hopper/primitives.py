@@ -175,6 +175,16 @@ def key_tiles(m0, rows, N, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr
 
 
 @gluon.jit
+def step_tile(j, n_tiles, ROTATE: gl.constexpr):
+    """The key tile (counted from the tile's first) that step j of a K/V stream carries: tile j, or, with ROTATE,
+    the last tile first (the one that needs a mask: forward.last_first) and then the others in order."""
+    if ROTATE:
+        return (j + n_tiles - 1) % n_tiles
+    else:
+        return j
+
+
+@gluon.jit
 def tiles(desc, n: gl.constexpr):
     """n shared-memory tiles shaped and laid out as desc's blocks ([rows, cols] each)."""
     return gl.allocate_shared_memory(desc.dtype, [n, block_rows(desc), desc.block_type.shape[-1]], flat_layout(desc))
