@@ -184,8 +184,8 @@ def test_gluon_kernels_on_users_shapes(n, head_dim, mode, layout, deterministic,
     assert ("_hopper_dkdv" in calls) == gluon_backward
 
 
-# documents that end inside tiles (one of a single row); the longest of the second set takes the forward's long
-# causal span (config.LONG_BAND_SPAN), whose diagonal key tiles stream first
+# documents that end inside tiles (one of a single row); the longest of each set takes the forward's long causal span
+# (config.LONG_BAND_SPAN), whose diagonal key tiles stream first
 DOCUMENTS = {"short": [0, 1000, 1129, 4000, 4001, 6144], "long": [0, 1000, 6100, 6101, 6237]}
 
 

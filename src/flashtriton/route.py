@@ -269,7 +269,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionPara
     if isinstance(call, Route):
         return call
     gpu, dtype, head_dim, span = call.gpu, call.dtype, call.head_dim, call.span
-    cfg = config.hopper_forward_config(gpu, head_dim, dtype, banded=p.windowed, span=span)
+    cfg = config.hopper_forward_config(gpu, head_dim, dtype, banded=p.windowed, span=span, left_bounded=p.left_bounded)
     # a varlen sequence that ends inside a tile has its last rows of O stored from registers: 256 wide they spill
     if (
         cfg is not None

@@ -214,12 +214,12 @@ _SM90_HOPPER_FORWARD_WIDE = {64: HopperForwardConfig(64, 128, 3, stage_o=True, c
 _SM90_HOPPER_FORWARD_WIDE_BAND = {64: HopperForwardConfig(64, 128, 3, stage_o=True, consumers=3, q_stages=2)}
 WIDE_SPAN = 1024
 WIDE_BAND_SPAN = 4096
-# Banded spans of LONG_BAND_SPAN keys or more (causal N from 4095; windows launch without it): the diagonal key tile
+# Banded spans of LONG_BAND_SPAN keys or more (causal N from 2047; windows launch without it): the diagonal key tile
 # first (last_first), which takes the mask's branch out of the consumers' loop but exposes the masked softmax of a
-# tile's first step, beside no P V. That gains for D=128's long tiles only: shorter spans and D=64's softmax-heavy
-# steps lost (DECISIONS, "Users' shapes")
+# tile's first step, beside no P V. That gains for D=128's long tiles only: spans of 512 (causal N=1024) were level
+# and D=64's softmax-heavy steps lost (DECISIONS, "Users' shapes")
 _SM90_HOPPER_FORWARD_LONG_BAND = {128: HopperForwardConfig(64, 128, 2, stage_o=True, q_stages=2, last_first=True)}
-LONG_BAND_SPAN = 2048
+LONG_BAND_SPAN = 1024
 # No row takes tree_rows: the row max and sum as chains were faster on the H200 (trees remain an autotune candidate).
 # Banded spans of SHORT_BAND_SPAN keys or fewer (causal N=512): 64-key tiles, whose diagonal tiles waste half as much;
 # at longer spans they lose, as they do unbanded.
@@ -347,10 +347,11 @@ def hopper_width(head_dim: int) -> int | None:
 
 
 def hopper_forward_config(
-    arch: str, head_dim: int, dtype: torch.dtype, *, banded: bool, span: int
+    arch: str, head_dim: int, dtype: torch.dtype, *, banded: bool, span: int, left_bounded: bool = False
 ) -> HopperForwardConfig | None:
     """The Gluon forward's config, or None where it does not run (forward_config's kernel does). ``banded``: a
-    causal or window bound; ``span``: keys per query row (varlen: the longest sequence's)."""
+    causal or window bound; ``left_bounded``: a window's left bound, whose key tiles keep their order (one kernel
+    variant); ``span``: keys per query row (varlen: the longest sequence's)."""
     width = hopper_width(head_dim)
     if arch != "sm90" or dtype == torch.float32 or width is None:
         return None
@@ -358,7 +359,7 @@ def hopper_forward_config(
         return _SM90_HOPPER_FORWARD_SHORT_BAND.get(width, _SM90_HOPPER_FORWARD[width])
     if banded and span >= WIDE_BAND_SPAN and width in _SM90_HOPPER_FORWARD_WIDE_BAND:
         return _SM90_HOPPER_FORWARD_WIDE_BAND[width]
-    if banded and span >= LONG_BAND_SPAN:
+    if banded and span >= LONG_BAND_SPAN and not left_bounded:
         return _SM90_HOPPER_FORWARD_LONG_BAND.get(width, _SM90_HOPPER_FORWARD[width])
     if not banded and span >= WIDE_SPAN:
         return _SM90_HOPPER_FORWARD_WIDE.get(width, _SM90_HOPPER_FORWARD[width])
