@@ -100,7 +100,7 @@ def test_hopper_scope():
     assert fits(q=q[..., :48], k=kv[..., :48])  # a head dim between widths: 64-wide tiles
     assert not fits(q=q[..., :44], k=kv[..., :44])  # 88-byte rows: TMA reads 16-byte multiples
     config = triton_backend.config
-    forward = functools.partial(config.hopper_forward_config, banded=False, span=1024)
+    forward = functools.partial(config.hopper_forward_config, banded=False, left_bounded=False, span=1024)
     assert forward("sm90", 128, torch.bfloat16) is not None
     assert forward("sm90", 64, torch.float16) is not None
     assert forward("sm90", 128, torch.float32) is None

@@ -138,7 +138,7 @@ CASES = [  # (n, head dim, mode): lengths that end inside a tile, and a whole on
     (777, 256, "causal"),
     (2048, 128, "causal"),
     (4100, 128, "dense"),  # the D=128 fused backward (spans of 2048 and more) on a length that ends inside a tile
-    # the forward's key tile that needs a mask streamed first (forward.py, last_first): a long causal span's diagonal
+    # the forward's key tile that needs a mask streamed first (primitives.py, last_first): a long causal span's diagonal
     # (config.LONG_BAND_SPAN) on a length that ends inside a tile, at 128 and in 128-wide tiles; three warpgroups
     (4100, 128, "causal"),
     (5000, 96, "causal"),

@@ -31,7 +31,9 @@ def _abstract(table: torch.Tensor, programs: int, n_m: int, heads: int, bits: tu
 def _costs(head_dim: int, n: int, window_left: int | None = None) -> tuple[int, ...]:
     """The backend's costs of a causal head's tiles, with the config it runs at this length on sm90."""
     span = n - n // 2 if window_left is None else window_left + 1
-    cfg = config.hopper_forward_config("sm90", head_dim, torch.bfloat16, banded=True, span=span)
+    cfg = config.hopper_forward_config(
+        "sm90", head_dim, torch.bfloat16, banded=True, left_bounded=window_left is not None, span=span
+    )
     return triton_backend._tile_costs(n, -(-n // (cfg.consumers * cfg.block_m)), cfg, window_left)
 
 

@@ -127,7 +127,7 @@ def test_sm90_banded_and_varlen_kernels_build(head_dim):
 @pytest.mark.slow
 @pytest.mark.parametrize("head_dim,seqlen,cases", [(128, 4095, ["dense", "causal"]), (64, 4095, ["dense"])])
 def test_sm90_forward_with_the_masked_key_tile_first_builds(head_dim, seqlen, cases):
-    """Forwards whose K/V stream starts with the one key tile that needs a mask (forward.py, last_first), spilling no
+    """Forwards whose K/V stream starts with the one key tile that needs a mask (primitives.py, last_first), spilling no
     more than those at whole tiles: a length that ends inside a tile without a band (D=64: three warpgroups), and a
     long causal span's diagonal (config.LONG_BAND_SPAN) on it."""
     _check(_build([head_dim], cases, seqlen=seqlen), {(head_dim, case): {FORWARD} for case in cases})

@@ -203,7 +203,7 @@ def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperFor
         h_bits=bits[1], CONSUMERS=cfg.consumers,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_STAGES=cfg.q_stages, STAGES=cfg.stages,
         TREE_ROWS=cfg.tree_rows, PINGPONG=cfg.pingpong,
-        LAST_FIRST=cfg.last_first,
+        LAST_FIRST=cfg.last_first and not common["LEFT"],  # (autotuning toggles it; a window's tiles keep their order)
     )  # fmt: skip
 
 

@@ -80,8 +80,8 @@ class HopperForwardConfig:
     tree_rows: bool = False  # the forward's row max and sum as trees of column halves, not chains
     pingpong: bool = False  # the forward's consumers issue their MMAs in turns (named barriers, FA3's ping-pong)
     # causal: each tile streams its diagonal key tile first, where all its warpgroups' rows end in that one tile, so
-    # that the consumers' loop has no mask (kernels/hopper/forward.py, last_first; a dense sequence that ends inside
-    # a tile always streams its last tile first)
+    # that the consumers' loop has no mask (kernels/hopper/primitives.py, last_first; a dense sequence that ends
+    # inside a tile always streams its last tile first; under a window's left bound the kernel ignores it)
     last_first: bool = False
 
     @property
@@ -216,7 +216,7 @@ WIDE_SPAN = 1024
 WIDE_BAND_SPAN = 4096
 # Banded spans of LONG_BAND_SPAN keys or more (causal N from 2047; windows launch without it): the diagonal key tile
 # first (last_first), which takes the mask's branch out of the consumers' loop but exposes the masked softmax of a
-# tile's first step, beside no P V. That gains for D=128's long tiles only: spans of 512 (causal N=1024) were level
+# tile's first step, beside no P V. That gains for D=128's long tiles only: spans of 512 (causal N=1024) were mixed
 # and D=64's softmax-heavy steps lost (DECISIONS, "Users' shapes")
 _SM90_HOPPER_FORWARD_LONG_BAND = {128: HopperForwardConfig(64, 128, 2, stage_o=True, q_stages=2, last_first=True)}
 LONG_BAND_SPAN = 1024
@@ -347,7 +347,7 @@ def hopper_width(head_dim: int) -> int | None:
 
 
 def hopper_forward_config(
-    arch: str, head_dim: int, dtype: torch.dtype, *, banded: bool, span: int, left_bounded: bool = False
+    arch: str, head_dim: int, dtype: torch.dtype, *, banded: bool, left_bounded: bool, span: int
 ) -> HopperForwardConfig | None:
     """The Gluon forward's config, or None where it does not run (forward_config's kernel does). ``banded``: a
     causal or window bound; ``left_bounded``: a window's left bound, whose key tiles keep their order (one kernel

@@ -17,7 +17,6 @@ Numerics: P = exp2(S * qk_scale - LSE * LOG2E), the forward's natural-log LSE ta
 and is scaled by softmax_scale once, at the end.
 """
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
@@ -37,6 +36,7 @@ from .primitives import (
     head_program,
     in_band,
     key_tiles,
+    last_first,
     mma_layout,
     operand_layout,
     outside_band,
@@ -50,14 +50,6 @@ from .primitives import (
     take,
     tiles,
 )
-
-
-@triton.constexpr_function
-def last_first(causal, left, ragged, block_m, block_n):
-    """Whether the K/V stream starts with its last key tile (step_tile): the one tile that needs a mask, so that
-    the consumers' loop has no mask's branch. So for a sequence without a band that may end inside its last key
-    tile, and for causal rows without a window whose two warpgroups both end in that tile (their diagonal)."""
-    return (ragged and not causal) or (causal and not left and 2 * block_m == block_n)
 
 
 @gluon.jit
@@ -81,6 +73,7 @@ def _dq_step(dq, zero_s, q_smem, do_smem, kv_ring, j, first_row, rows, first_col
              MASK: gl.constexpr):  # fmt: skip
     """dQ += dS K for the key tile at ring position j (keys from first_col on). MASK: 0, the tile needs no mask; 1,
     a causal band's may (a branch on whether it does); 2, it does (no branch: the stream's first tile, last_first)."""
+    gl.static_assert(CAUSAL or not RAGGED or MASK != 1, "a ragged sequence without a band streams its last tile first")
     k, v = take(kv_ring, j)
     scores = warpgroup_mma(q_smem, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     dp = warpgroup_mma(do_smem, v.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -189,7 +182,7 @@ def attention_backward_dq_sm90_kernel(
     do_bufs = resident(do_desc, q_bar, q, 2)
 
     key0, n_tiles = key_tiles(m0, 2 * BLOCK_M, N, window_left, CAUSAL, LEFT, BLOCK_N)
-    ROTATE: gl.constexpr = last_first(CAUSAL, LEFT, RAGGED, BLOCK_M, BLOCK_N)
+    ROTATE: gl.constexpr = last_first(CAUSAL, LEFT, RAGGED, 2, BLOCK_M, BLOCK_N, True)  # two warpgroups
     row = b * stride_lb + h * stride_lh + lse0 + m0  # of LSE and DLSE
     out_row = b * stride_rb + h * stride_rh + rows_start(CU_SEQLENS, b, VARLEN) + m0  # of DELTA and LSE_ROWS
     o = O + bc.to(gl.int64) * stride_ob + (seq0 + m0).to(gl.int64) * stride_om + h.to(gl.int64) * stride_oh

@@ -26,7 +26,6 @@ sum and O's accumulator are fp32; the LSE written out is natural-log. SINKS (H,)
 row's sink is one more logit, folded into m and the sum after the row's last tile (params.py); it multiplies no V row.
 """
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma, warpgroup_mma, warpgroup_mma_wait
@@ -47,6 +46,7 @@ from .primitives import (
     in_band,
     key_tiles,
     keys_before,
+    last_first,
     mma_layout,
     operand_layout,
     outside_band,
@@ -108,19 +108,6 @@ def _online_softmax(scores, m_i, l_i, rows, first_row, first_col, n, qk_scale, w
 def _log2(x):
     """log2 by lg2.approx.f32 (absolute error about 2^-22): the exact one cost training forwards 2-4% (DECISIONS)."""
     return gl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
-
-
-@triton.constexpr_function
-def last_first(causal, left, ragged, consumers, block_m, block_n, asked):
-    """Whether a tile's K/V stream starts with its last key tile (step_tile): the one tile whose keys the
-    consumers mask, so that only their first step, outside their loop, has a mask's branch (inside it, taken or
-    not, such a branch slows the loop: benchmarks/DECISIONS.md, "Users' shapes"). So for a sequence
-    without a band that may end inside its last key tile (keys past the end), and, where the config asks for it
-    (asked: config.HopperForwardConfig.last_first), for a causal tile (no window) whose warpgroups all end in one key
-    tile, their diagonal's. Either way every warpgroup that multiplies the tile takes all of its key tiles (own0 is
-    key0 and n_own n_tiles in _forward_consumer), so that producer and consumers agree on the order."""
-    causal_tile = causal and not left and consumers * block_m == block_n
-    return (ragged and not causal) or (asked and causal_tile)
 
 
 @gluon.jit

@@ -174,10 +174,24 @@ def key_tiles(m0, rows, N, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr
     return key0, n_tiles
 
 
+@triton.constexpr_function
+def last_first(causal, left, ragged, consumers, block_m, block_n, asked):
+    """Whether a tile's K/V stream starts with its last key tile (step_tile): the one tile whose keys the
+    consumers mask, so that only their first step, outside their loop, has a mask's branch (inside it, taken or
+    not, such a branch slows the loop: benchmarks/DECISIONS.md, "Users' shapes"). So for a sequence
+    without a band that may end inside its last key tile (keys past the end), and, where the caller asks for it
+    (asked: the forward's config.HopperForwardConfig.last_first; the dQ kernel always), for a causal tile (no window)
+    whose ``consumers`` warpgroups of block_m rows all end in one key tile, their diagonal's. Either way every
+    warpgroup that multiplies the tile takes all of its key tiles (the forward's _forward_consumer: own0 is key0 and
+    n_own n_tiles), so that producer and consumers agree on the order."""
+    causal_tile = causal and not left and consumers * block_m == block_n
+    return (ragged and not causal) or (asked and causal_tile)
+
+
 @gluon.jit
 def step_tile(j, n_tiles, ROTATE: gl.constexpr):
     """The key tile (counted from the tile's first) that step j of a K/V stream carries: tile j, or, with ROTATE,
-    the last tile first (the one that needs a mask: forward.last_first) and then the others in order."""
+    the last tile first (the one that needs a mask: last_first) and then the others in order."""
     if ROTATE:
         return (j + n_tiles - 1) % n_tiles
     else:
