@@ -459,6 +459,73 @@ def test_block_mask_and_score_mod_with_softcap_and_dropout(backend, case):
     check_case(backend, case)
 
 
+@triton.jit
+def _hidden(b, q_idx, kv_idx, bounds):
+    """Keys below bounds[b, 0] and rows below bounds[b, 1]."""
+    return (kv_idx < tl.load(bounds + 2 * b)) | (q_idx < tl.load(bounds + 2 * b + 1))
+
+
+@triton.jit
+def _hide_by_score(score, b, h, q_idx, kv_idx, bounds):
+    return tl.where(_hidden(b, q_idx, kv_idx, bounds), float("-inf"), score)
+
+
+@triton.jit
+def _hide_by_score_grad(score, b, h, q_idx, kv_idx, bounds):
+    return tl.where(_hidden(b, q_idx, kv_idx, bounds), 0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class Hidden:
+    """A dense call whose score_mod hides, in batch b, the keys below bounds[b][0] and the rows below bounds[b][1]:
+    the keys span whole key tiles that the kernels stream without a mask, the rows whole query tiles."""
+
+    shape: Shape
+    causal: bool
+    bounds: tuple[tuple[int, int], ...]
+
+    def __str__(self) -> str:
+        hidden = ",".join(f"k{keys}r{rows}" for keys, rows in self.bounds)
+        return f"{self.shape}{'-causal' if self.causal else ''}-hide-{hidden}"
+
+
+HIDDEN_BY_SCORE = target_params(
+    {
+        "tiny": [Hidden(Shape(2, 100, 100, 2, 1, 16), False, ((64, 5), (17, 0))),
+                 Hidden(Shape(1, 90, 90, 1, 1, 16), True, ((40, 3),))],
+        "cpu": [Hidden(Shape(2, 300, 300, 2, 1, 64), False, ((150, 5), (0, 0))),
+                Hidden(Shape(1, 300, 300, 2, 2, 32), True, ((130, 7),))],
+        "gpu": [Hidden(Shape(2, 1024, 1024, 4, 2, 128), False, ((300, 70), (0, 0))),
+                Hidden(Shape(1, 1000, 1000, 4, 4, 64), True, ((520, 130),))],
+    }
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend,case", HIDDEN_BY_SCORE, indirect=["backend"])
+def test_a_score_mod_that_hides_keys_with_minus_inf(backend, case):
+    """FlexAttention's idiom of a mask written as a score_mod (-inf where hidden) against the same mask given to the
+    reference: rows that still see keys are exact, rows that see none give 0 and an LSE of +inf, with no NaN."""
+    shape, causal = case.shape, case.causal
+    bounds = torch.tensor(case.bounds, dtype=torch.int32, device=backend.device)
+    for dtype in dtypes_for(backend) if backend.device == "cuda" else [F32]:
+        q, k, v = random_qkv(shape, dtype, backend.device, requires_grad=False)
+        dout = torch.randn(q.shape, dtype=dtype, device=q.device)
+        dlse = torch.randn(shape.batch, shape.heads, shape.n_q, device=q.device)
+        ours = _run_dense(
+            q, k, v, dout, dlse, causal=causal, score_mod=Mod(_hide_by_score, (bounds,), _hide_by_score_grad)
+        )
+        i = torch.arange(shape.n_q, device=q.device)[:, None]
+        j = torch.arange(shape.n_k, device=q.device)[None, :]
+        mask = torch.stack([(j >= keys) & (i >= rows) for keys, rows in bounds.tolist()])[:, None]
+        mask = mask.expand(shape.batch, shape.heads, shape.n_q, shape.n_k)
+        exact = reference_outputs(q, k, v, dout, dlse, causal, mask=mask)
+        plain = reference_outputs(q, k, v, dout, dlse, causal, compute_dtype=None, mask=mask)
+        for name, a, e, p in zip(NAMES, ours, exact, plain, strict=True):
+            assert_close_to_reference(f"{name} ({dtype})", a, e, p)
+        for b, (_, rows) in enumerate(case.bounds):
+            assert (ours[1][b, :, :rows] == math.inf).all(), "rows that see no key: LSE +inf"
+
+
 # Lengths 0 and 1, n_q > n_k (the last sequence in "tiny" sees no key at all), n_q < n_k, GQA.
 SEQLENS = {
     "tiny": Seqlens(q=(5, 0, 1, 17, 40, 3), k=(7, 3, 1, 17, 25, 0), heads=4, heads_k=2, head_dim=16),

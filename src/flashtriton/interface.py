@@ -126,7 +126,8 @@ def flash_attn_func(
         block_mask one is made from it with create_block_mask (default 128 x 128 tiles), per batch
         entry and per head where the mask reads b or h (one for all where it does not).
     score_mod: a @triton.jit score_mod(score, b, h, q_idx, kv_idx, *tensors) or a Mod, applied to the
-        score last (after softcap and ALiBi); gradients need Mod(fn, tensors, grad=dfn).
+        score last (after softcap and ALiBi); gradients need Mod(fn, tensors, grad=dfn). A score of -inf
+        hides its key (a row left with none gets out 0 and LSE +inf, as under a mask).
     sinks: (nheads,) floating (fp32; bf16 and fp16 are cast), learnable attention sinks (gpt-oss): each
         query row's softmax has one more logit, sinks[h], in the units of the scores (after the scale),
         which takes probability mass and adds no value, so the row's weights sum to less than 1. The LSE

@@ -128,7 +128,7 @@ def _attend_tile(
         s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
     m_shift = m_new
-    if MASKED:
+    if MASKED or SCORE_MOD is not None:  # (a score_mod may hide keys with -inf in a tile that needs no mask)
         # A row with no visible key so far keeps m = -inf; shift it by 0 instead (no inf - inf).
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s * s_scale - m_shift[:, None])
