@@ -45,6 +45,11 @@ CASES = {
     "dropout-one": (qkv, {"dropout_p": 1.0}, ValueError, "dropout_p must be in [0, 1)"),
     "dropout-negative": (qkv, {"dropout_p": -0.1}, ValueError, "dropout_p must be in [0, 1)"),
     "dropout-type": (qkv, {"dropout_p": "0.1"}, TypeError, "dropout_p must be a float"),
+    # a string reads as true: causal="False" would mask
+    "causal-string": (qkv, {"causal": "False"}, TypeError, "causal must be a bool (True or False), got 'False'"),
+    "causal-none": (qkv, {"causal": None}, TypeError, "causal must be a bool"),
+    "causal-two": (qkv, {"causal": 2}, TypeError, "causal must be a bool"),
+    "deterministic-string": (qkv, {"deterministic": "no"}, TypeError, "deterministic must be a bool"),
     "window-range": (qkv, {"window_size": (-2, 0)}, ValueError, "each >= -1"),
     "window-right-range": (qkv, {"window_size": (4, -3)}, ValueError, "each >= -1"),
     "window-not-pair": (qkv, {"window_size": (4,)}, TypeError, "pair of ints (left, right)"),

@@ -27,6 +27,7 @@ from .validation import (
     check_alibi_slopes,
     check_cache_seqlens,
     check_dropout,
+    check_flag,
     check_kvcache,
     check_qkv,
     check_sinks,
@@ -257,7 +258,8 @@ def _params(
     return AttentionParams(
         softmax_scale=scale, window_left=left, window_right=right,
         softcap=float(softcap), alibi_slopes=slopes, dropout_p=float(dropout_p),
-        dropout_seed=dropout.draw_seed() if dropout_p > 0 else None, deterministic=bool(deterministic),
+        dropout_seed=dropout.draw_seed() if dropout_p > 0 else None,
+        deterministic=check_flag("deterministic", deterministic),
         write_lse=bool(return_attn_probs) or needs_grad,  # an inference call writes no LSE, as SDPA's asks for none
         sinks=sinks, **extra,
     )  # fmt: skip

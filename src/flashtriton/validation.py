@@ -141,10 +141,21 @@ def check_window(window_size) -> tuple[int, int]:
     return left, right
 
 
+def check_flag(name: str, value) -> bool:
+    """A bool option: a bool (numpy's too), or an int 0 or 1; anything else, such as the string "False" (true as a
+    condition), is refused."""
+    if type(value) is bool or isinstance(value, torch.SymBool):
+        return value
+    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+    if numpy_bool or (_is_int(value) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
+
+
 def causal_window(window: tuple[int, int], causal: bool) -> tuple[int, int]:
     """check_window's (left, right) under flash_attn's rule: causal=True is the right bound at the diagonal (0),
     whatever window_size says."""
-    return (window[0], 0) if causal else window
+    return (window[0], 0) if check_flag("causal", causal) else window
 
 
 def check_dropout(dropout_p) -> float:
