@@ -108,12 +108,14 @@ def test_not_plain_calls_are_not_kept(params_seen):
         ({"softmax_scale": float("nan")}, ValueError, "finite"),
         ({"softcap": -1.0}, ValueError, "softcap"),
         ({"window_size": (-2, 0)}, ValueError, "window_size"),
+        ({"deterministic": "no"}, TypeError, "deterministic must be a bool"),
     ],
-    ids=["dtype", "scale", "softcap", "window"],
+    ids=["dtype", "scale", "softcap", "window", "deterministic"],
 )
 def test_bad_input_after_a_good_call_of_its_shapes_still_raises(bad, error, message, params_seen):
     q, k, v = _qkv()
     flashtriton.flash_attn_func(q, k, v, causal=True)
+    flashtriton.flash_attn_func(q, k, v, causal=True, deterministic=True)  # a key a truthy bad flag would find
     bad = dict(bad)
     if "k_dtype" in bad:
         k = k.to(bad.pop("k_dtype"))

@@ -128,7 +128,8 @@ def flash_attn_func(
         entry and per head where the mask reads b or h (one for all where it does not).
     score_mod: a @triton.jit score_mod(score, b, h, q_idx, kv_idx, *tensors) or a Mod, applied to the
         score last (after softcap and ALiBi); gradients need Mod(fn, tensors, grad=dfn). A score of -inf
-        hides its key (a row left with none gets out 0 and LSE +inf, as under a mask).
+        hides its key, as a mask does (a row left with none gets out 0 and LSE +inf, or sinks[h]); the grad
+        must be finite there (0).
     sinks: (nheads,) floating (fp32; bf16 and fp16 are cast), learnable attention sinks (gpt-oss): each
         query row's softmax has one more logit, sinks[h], in the units of the scores (after the scale),
         which takes probability mass and adds no value, so the row's weights sum to less than 1. The LSE
@@ -186,6 +187,8 @@ def _plain_key(
         return None
     if not _plain_options(softmax_scale, causal, window_size, softcap) or type(dropout_p) not in _NUMBER or dropout_p:
         return None
+    if type(deterministic) is not bool:  # (the checks read it: check_flag)
+        return None
     if _autocasting(q.device.type):
         return None
     grads = torch.is_grad_enabled() and (q.requires_grad, k.requires_grad, v.requires_grad)
@@ -221,7 +224,7 @@ def _masks(q, k, v, block_mask, mask_mod, score_mod, causal, window: tuple[int, 
             check_differentiable(masks["score_mod"])
     if block_mask is None and mask_mod is None:
         return masks
-    if causal or window != (-1, -1) or alibi_slopes is not None:
+    if check_flag("causal", causal) or window != (-1, -1) or alibi_slopes is not None:
         raise ValueError(
             "block_mask / mask_mod do not combine with causal, window_size or alibi_slopes: put the causal or "
             "window mask into the block mask (and_masks(causal_mask(), ...)) and ALiBi into a score_mod"

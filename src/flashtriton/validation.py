@@ -144,10 +144,10 @@ def check_window(window_size) -> tuple[int, int]:
 def check_flag(name: str, value) -> bool:
     """A bool option: a bool (numpy's too), or an int 0 or 1; anything else, such as the string "False" (true as a
     condition), is refused."""
-    if type(value) is bool or isinstance(value, torch.SymBool):
+    if type(value) is bool:
         return value
     numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
-    if numpy_bool or (_is_int(value) and value in (0, 1)):
+    if numpy_bool or isinstance(value, torch.SymBool) or (_is_int(value) and value in (0, 1)):
         return bool(value)
     raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
 

@@ -15,7 +15,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ..validation import check_qkv, check_varlen, host_read
+from ..validation import check_flag, check_qkv, check_varlen, host_read
 from . import halo
 from . import steps as S
 from .checks import (
@@ -151,7 +151,7 @@ def ring_flash_attn_func(
         parts, _ = world_and_rank(ulysses_group)
         check_heads(q.shape[2], k.shape[2], parts)
     check_local_rows(q.shape[1] * parts, world, layout)
-    params = S.partial_params(scale, bool(deterministic))
+    params = S.partial_params(scale, check_flag("deterministic", deterministic))
     rows = q.shape[1] * parts
     # every rank's plan under a window: what this rank trades with each (empty shards take the dense plan's steps)
     if window_left >= 0 and world > 1 and rows:
@@ -207,13 +207,14 @@ def ring_flash_attn_varlen_func(
     world, rank = world_and_rank(group)
 
     lengths = check_varlen_shards(cu_seqlens, max_seqlen, q.shape[0], world, layout)
-    options = (world, rank, layout, bool(causal), scale, bool(deterministic))
-    params = S.partial_params(scale, bool(deterministic))
+    causal, deterministic = check_flag("causal", causal), check_flag("deterministic", deterministic)
+    options = (world, rank, layout, causal, scale, deterministic)
+    params = S.partial_params(scale, deterministic)
     local = [n // world for n in lengths]
     steps = host_read(  # one plan per cu_seqlens tensor: its step cu_seqlens are then read on the host once too
         cu_seqlens,
         ("ring", *options),
-        lambda cu: S.varlen_steps(world, rank, local, layout, bool(causal), params, q.device),
+        lambda cu: S.varlen_steps(world, rank, local, layout, causal, params, q.device),
     )
     out, lse = _RingAttention.apply(q, k, v, _Call(group, world, rank, steps))
     return (out, lse) if return_lse else out
