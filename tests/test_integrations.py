@@ -330,6 +330,25 @@ def test_cross_attention_keeps_every_query_of_a_padded_encoder(decoder_rows):
     assert_close_to_reference(f"cross-attention, {decoder_rows} decoder rows", out, exact, plain)
 
 
+def test_a_padding_mask_with_holes_under_a_sliding_window_raises():
+    """Packed together, a row's real tokens with zeros between them would shift a sliding window from positions to
+    real tokens; without a window (or with left padding) the packing changes nothing and the call runs."""
+
+    class SelfAttention(torch.nn.Module):
+        is_causal = True
+
+    q, k, v = (torch.randn(2, 2, 10, 16) for _ in range(3))
+    holes = torch.ones(2, 10, dtype=torch.bool)
+    holes[1, 4:6] = False
+    with pytest.raises(NotImplementedError, match="zeros between a row's real tokens"):
+        integration.attention(SelfAttention(), q, k, v, holes, sliding_window=3)
+    integration.attention(SelfAttention(), q, k, v, holes)
+    integration.attention(SelfAttention(), q, k, v, holes, sliding_window=10)  # hides no key of 10
+    left = torch.ones(2, 10, dtype=torch.bool)
+    left[1, :4] = False
+    integration.attention(SelfAttention(), q, k, v, left, sliding_window=3)
+
+
 def test_masks_the_attention_does_not_compute_raise():
     """Chunked attention (Llama4) past its first chunk and unions of masks would otherwise run as plain causal
     attention; within one chunk a chunked mask is causal and runs."""

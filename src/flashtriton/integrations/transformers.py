@@ -177,6 +177,23 @@ def _unpad_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return rows, positions, cu_seqlens, int(lengths.max())
 
 
+def _check_no_holes(mask: torch.Tensor) -> None:
+    """Refuses a padding mask with zeros between a row's real tokens under a sliding window that may hide keys:
+    packed together, the window would count real tokens, not positions (left and right padding pack without
+    changing it)."""
+    n = mask.shape[1]
+    columns = torch.arange(n, device=mask.device)
+    first = torch.where(mask, columns, n).amin(dim=1)
+    last = torch.where(mask, columns, -1).amax(dim=1)
+    lengths = mask.sum(dim=1)
+    if bool(((lengths > 0) & (last - first + 1 != lengths)).any()):
+        raise NotImplementedError(
+            "this padding mask has zeros between a row's real tokens (neither left nor right padding), which "
+            "flashtriton's transformers attention does not compute under a sliding window: use "
+            "attn_implementation='sdpa' for such masks"
+        )
+
+
 def _padded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
     """Attention of a padded batch through varlen: real tokens only, the queries being the mask's last n_q columns;
     in a cross-attention (not causal, queries and keys of different lengths: an encoder's padding mask) every query.
@@ -187,6 +204,8 @@ def _padded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
     k, v = k[:, : mask.shape[1]], v[:, : mask.shape[1]]  # a static cache's unwritten rows are not keys
     if bool(mask.all()):
         return flash_attn_func(q, k, v, **options)
+    if 0 <= options["window_size"][0] < mask.shape[1] - 1:  # a window that may hide a key
+        _check_no_holes(mask)
     rows_k, positions_k, cu_seqlens_k, max_k = _unpad_index(mask)
     queries = mask[:, -q.shape[1] :]
     if not options["causal"] and q.shape[1] != k.shape[1]:  # cross-attention: the mask is the encoder's keys'
