@@ -29,13 +29,14 @@ from .primitives import (
     ROWS_ALIGN,
     TWO_CONSUMER_REGISTERS,
     at,
+    band_tile,
     barriers,
     fill,
     flat_view,
     give,
     head_program,
-    in_band,
     key_tiles,
+    keys_past,
     last_first,
     mma_layout,
     operand_layout,
@@ -61,13 +62,6 @@ def _dq_producer(k_desc, v_desc, kv_ring, kv, n_tiles, ROTATE: gl.constexpr, BLO
 
 
 @gluon.jit
-def _band(p, rows, first_col, window_left, LEFT: gl.constexpr):
-    """p (queries x keys from first_col on) zeroed outside the causal band."""
-    cols = first_col + gl.arange(0, p.shape[1], gl.SliceLayout(0, p.type.layout))
-    return gl.where(in_band(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), window_left, LEFT), p, 0.0)
-
-
-@gluon.jit
 def _dq_step(dq, zero_s, q_smem, do_smem, kv_ring, j, first_row, rows, first_col, n, lse2, delta, qk_scale,
              window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr, RAGGED: gl.constexpr,
              MASK: gl.constexpr):  # fmt: skip
@@ -81,14 +75,13 @@ def _dq_step(dq, zero_s, q_smem, do_smem, kv_ring, j, first_row, rows, first_col
     p = gl.exp2(scores * qk_scale - lse2)
     if CAUSAL:
         if MASK == 2:
-            p = _band(p, rows, first_col, window_left, LEFT)
+            p = band_tile(p, rows, first_col, window_left, 0.0, LEFT)
         elif MASK == 1:
             last_row = first_row + p.shape[0] - 1
             if outside_band(first_row, last_row, first_col, first_col + p.shape[1] - 1, window_left, LEFT):
-                p = _band(p, rows, first_col, window_left, LEFT)
+                p = band_tile(p, rows, first_col, window_left, 0.0, LEFT)
     elif RAGGED and MASK == 2:  # keys past the sequence (causal: the rows stored see none; it is the last tile)
-        cols = first_col + gl.arange(0, p.shape[1], gl.SliceLayout(0, p.type.layout))
-        p = gl.where(gl.expand_dims(cols < n, 0), p, 0.0)
+        p = keys_past(p, first_col, n, 0.0)
     dp = warpgroup_mma_wait(0, deps=(dp, do_smem, v))[0]
     ds = gl.convert_layout((p * (dp - delta)).to(q_smem.dtype), operand_layout(dq.shape[1]))
     dq = warpgroup_mma(ds, k, dq, is_async=True)

@@ -39,11 +39,11 @@ from .primitives import (
     THREE_CONSUMER_REGISTERS,
     TWO_CONSUMER_REGISTERS,
     at,
+    band_tile,
     fill,
     flat_view,
     give,
     halves,
-    in_band,
     key_tiles,
     keys_before,
     last_first,
@@ -90,9 +90,7 @@ def _online_softmax(scores, m_i, l_i, rows, first_row, first_col, n, qk_scale, w
     if CAUSAL:
         last_row = first_row + scores.shape[0] - 1
         if outside_band(first_row, last_row, first_col, first_col + BLOCK_N - 1, window_left, LEFT):
-            cols = first_col + gl.arange(0, BLOCK_N, gl.SliceLayout(0, scores.type.layout))
-            keep = in_band(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), window_left, LEFT)
-            scores = gl.where(keep, scores, float("-inf"))
+            scores = band_tile(scores, rows, first_col, window_left, float("-inf"), LEFT)
     elif RAGGED:
         scores = keys_before(scores, first_col, n, float("-inf"))
     m_new = gl.maximum(m_i, _row_max(scores, TREE) * qk_scale)  # the scaled max: interface makes qk_scale > 0

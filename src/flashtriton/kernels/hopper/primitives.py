@@ -89,13 +89,25 @@ def in_band(rows, cols, window_left, LEFT: gl.constexpr):
 
 
 @gluon.jit
+def keys_past(x, first_col, n, fill):
+    """x (queries x keys, keys from first_col on) with the columns of keys at or past n set to fill."""
+    cols = first_col + gl.arange(0, x.shape[1], gl.SliceLayout(0, x.type.layout))
+    return gl.where(gl.expand_dims(cols < n, 0), x, fill)
+
+
+@gluon.jit
 def keys_before(x, first_col, n, fill):
-    """x (queries x keys, keys from first_col on) with the columns of keys at or past n set to fill, where the tile
-    reaches past n: a sequence that ends inside its last key tile."""
+    """keys_past where the tile reaches past n (a sequence that ends inside its last key tile), x elsewhere."""
     if first_col + x.shape[1] > n:
-        cols = first_col + gl.arange(0, x.shape[1], gl.SliceLayout(0, x.type.layout))
-        x = gl.where(gl.expand_dims(cols < n, 0), x, fill)
+        x = keys_past(x, first_col, n, fill)
     return x
+
+
+@gluon.jit
+def band_tile(x, rows, first_col, window_left, fill, LEFT: gl.constexpr):
+    """x (queries x keys, keys from first_col on) with its entries outside the causal band set to fill."""
+    cols = first_col + gl.arange(0, x.shape[1], gl.SliceLayout(0, x.type.layout))
+    return gl.where(in_band(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), window_left, LEFT), x, fill)
 
 
 @gluon.jit
