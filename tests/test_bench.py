@@ -156,15 +156,19 @@ def test_the_gpu_timer_times_each_call():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_the_gpu_timer_kept_ahead_times_the_device_alone():
     """A call whose host takes 1 ms to launch a short kernel: the plain timer reads the host's wait between its
-    events, the timer kept ahead of the host (the decode suite's) the kernel alone."""
+    events, the timer kept ahead of the host (the decode suite's) the kernel alone. Up to three tries: on a GPU that
+    other processes share (the suite's workers), their kernels may delay the plain timer's start past the wait."""
     x = torch.randn(1024, 1024, device="cuda")
 
     def slow_host():
         time.sleep(1e-3)
         return x @ x
 
-    (plain,) = timing.device_timer(torch.device("cuda"))([slow_host])
-    (ahead,) = timing.device_timer(torch.device("cuda"), ahead=True)([slow_host])
+    for _ in range(3):
+        (plain,) = timing.device_timer(torch.device("cuda"))([slow_host])
+        (ahead,) = timing.device_timer(torch.device("cuda"), ahead=True)([slow_host])
+        if plain > 0.8 and ahead < 0.5:
+            break
     assert plain > 0.8 and ahead < 0.5
 
 
