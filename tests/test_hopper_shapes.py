@@ -184,6 +184,41 @@ def test_gluon_kernels_on_users_shapes(n, head_dim, mode, layout, deterministic,
     assert ("_hopper_dkdv" in calls) == gluon_backward
 
 
+# keys of another length than the queries (cross-attention, no mask): lengths that end inside tiles on either side, a
+# single query or key, GQA; the forward is the Gluon kernel's, the backward the portable kernels'
+CROSS = [(1000, 4096, 128), (4096, 1000, 128), (300, 2047, 64), (2048, 77, 256), (1, 513, 128), (513, 1, 64)]
+
+
+def test_cross_attention_forward_takes_the_gluon_kernel():
+    q, k = torch.zeros(2, 1000, 4, 128, dtype=torch.bfloat16), torch.zeros(2, 4096, 2, 128, dtype=torch.bfloat16)
+    dense = AttentionParams(128**-0.5)
+    assert route.forward(q, k, k, dense, gpu="sm90").family == route.HOPPER
+    # a mask aligned bottom-right between two lengths, and the backward, stay on the portable kernels
+    assert route.forward(q, k, k, AttentionParams(128**-0.5, window_right=0), gpu="sm90").family == route.PORTABLE
+    assert route.backward(q, None, q, k, k, q, None, dense, gpu="sm90").family == route.PORTABLE
+
+
+@hopper
+@pytest.mark.parametrize("layout", ["contiguous", "model"])
+@pytest.mark.parametrize("n_q,n_k,head_dim", CROSS, ids=[f"q{a}-k{b}-d{d}" for a, b, d in CROSS])
+def test_gluon_forward_on_cross_attention(n_q, n_k, head_dim, layout, monkeypatch):
+    calls = _spy(monkeypatch)
+    shapes = (2, n_q, 4, head_dim), (2, n_k, 2, head_dim), (2, n_k, 2, head_dim)
+    if layout == "model":  # (B, H, N, D) storage seen as (B, N, H, D)
+        leaves = [
+            torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16).requires_grad_() for b, n, h, d in shapes
+        ]
+        q, k, v = (x.transpose(1, 2) for x in leaves)
+    else:
+        leaves = q, k, v = [torch.randn(s, device="cuda", dtype=torch.bfloat16).requires_grad_() for s in shapes]
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    torch.autograd.backward((out, lse), (dout, dlse))
+    grads = [x.grad.transpose(1, 2) if layout == "model" else x.grad for x in leaves]
+    _check(f"{layout} q{n_q} k{n_k}", (out, lse, *grads), q, k, v, dout, dlse, False)
+    assert calls == ["_hopper_forward"]
+
+
 # documents that end inside tiles (one of a single row); the longest of each set takes the forward's long causal span
 # (config.LONG_BAND_SPAN), whose diagonal key tiles stream first
 DOCUMENTS = {"short": [0, 1000, 1129, 4000, 4001, 6144], "long": [0, 1000, 6100, 6101, 6237]}

@@ -118,8 +118,8 @@ def _flat(common: dict, *xs: torch.Tensor) -> bool:
         return False
     if (common["CAUSAL"] or common["LEFT"]) and not config.FLAT_VIEW_BANDED:
         return False
-    n = common["N"]
-    return all(x.shape[0] == 1 or x.stride(0) == n * x.stride(1) for x in xs)
+    n = common["N"]  # (cross-attention's keys of another length: rank-4, the kernels' sequence b starts at b * N)
+    return all(x.shape[1] == n and (x.shape[0] == 1 or x.stride(0) == n * x.stride(1)) for x in xs)
 
 
 def _sums_view(sums: torch.Tensor, rows: int, cols: int) -> Descriptor:
@@ -186,6 +186,8 @@ def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperFor
     units i, i + P, ... (kernels/hopper/forward.py's _forward_tile). The _hopper_* launchers return Launcher.bind's
     (Bound, tensors), for a Recorder."""
     batch, n, common = _hopper_common(q, k, lse, p, cfg.rows)
+    n_k = route.lengths(q, k, p)[2]  # cross-attention's keys (route.hopper_fits): in tiles of their own
+    common["RAGGED"] = common["RAGGED"] or n_k % cfg.block_n != 0
     rows = cfg.consumers * cfg.block_m
     tiles = cdiv(n, rows)
     units = (cdiv(tiles, 2) if common["CAUSAL"] else tiles) * batch * common["H"]
@@ -199,7 +201,7 @@ def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperFor
         _gluon_view(q, cfg.block_m, flat=flat), _gluon_view(k, cfg.block_n, flat=flat),
         _gluon_view(v, cfg.block_n, flat=flat),
         _gluon_view(out, cfg.block_m, common["D"] // cfg.o_pieces, flat) if staged else None, out,
-        *_strides(out, p.varlen), lse, **common, SINKS=p.sinks, units=units, SCHEDULE=table, m_bits=bits[0],
+        *_strides(out, p.varlen), lse, **common, N_K=n_k, SINKS=p.sinks, units=units, SCHEDULE=table, m_bits=bits[0],
         h_bits=bits[1], CONSUMERS=cfg.consumers,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_STAGES=cfg.q_stages, STAGES=cfg.stages,
         TREE_ROWS=cfg.tree_rows, PINGPONG=cfg.pingpong,

@@ -4,6 +4,7 @@ Notation
   B, H, HKV    batch, query heads, key/value heads; GROUP = H // HKV query heads share a K/V head
   N            sequence length, of queries and keys alike (self-attention); VARLEN: the longest, sequence b being
                rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] of the packed batch. RAGGED: some sequence ends inside a tile
+  N_K          the keys' length where it is not N: a dense call without a mask (cross-attention); N otherwise
   D            the tiles' width (64, 128, 256); HEAD_D <= D the tensors' head dim (primitives.py)
   BLOCK_M      query rows of one consumer warpgroup; a tile is CONSUMERS * BLOCK_M rows of one head
   BLOCK_N      keys per streamed K/V tile
@@ -133,15 +134,15 @@ def _entry(schedule, first, i, count):
 
 
 @gluon.jit
-def _forward_tile(e, schedule, n_m, N, H, CU_SEQLENS, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
+def _forward_tile(e, schedule, n_m, N, N_K, H, CU_SEQLENS, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                   VARLEN: gl.constexpr, FLAT: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
     """A program's tile e (_entry): (whether it has rows, r, batch, head, first query row in the sequence, the
-    sequence's length, its batch coordinate and first row, its first LSE column, then key_tiles' two). r = 1 marks a
-    tile whose warpgroups take their row blocks in reverse (_block_of). Without a table, unit e // (1 + CAUSAL) of the
-    program is one query tile; causal, the p-th longest and the p-th shortest query tiles of a head (r = 0, 1;
-    one tile in the middle of an odd count), so that every unit has about the same work. With one, schedule =
-    (table, m_bits, h_bits) and e is ((((b << h_bits) | h) << m_bits | p) << 1) | r, p counting a head's tiles longest
-    first (schedule.py; triton_backend._fields)."""
+    sequence's length and its keys', its batch coordinate and first row, its first LSE column, then key_tiles' two).
+    r = 1 marks a tile whose warpgroups take their row blocks in reverse (_block_of). Without a table, unit
+    e // (1 + CAUSAL) of the program is one query tile; causal, the p-th longest and the p-th shortest query tiles of
+    a head (r = 0, 1; one tile in the middle of an odd count), so that every unit has about the same work. With one,
+    schedule = (table, m_bits, h_bits) and e is ((((b << h_bits) | h) << m_bits | p) << 1) | r, p counting a head's
+    tiles longest first (schedule.py; triton_backend._fields)."""
     if len(schedule) == 0:
         u = gl.program_id(0) + e // (1 + CAUSAL) * gl.num_programs(0)
         r = e % (1 + CAUSAL)
@@ -162,9 +163,12 @@ def _forward_tile(e, schedule, n_m, N, H, CU_SEQLENS, window_left, CAUSAL: gl.co
         r = e & 1
         is_tile = True  # every entry of the table is one
     m0, bc, seq0, n, lse0 = query_tile(pid_m, b, n_m, N, CU_SEQLENS, CAUSAL, VARLEN, FLAT, ROWS)
-    key0, n_tiles = key_tiles(m0, ROWS, n, window_left, CAUSAL, LEFT, BLOCK_N)
+    n_k = n
+    if not VARLEN:
+        n_k = N_K
+    key0, n_tiles = key_tiles(m0, ROWS, n_k, window_left, CAUSAL, LEFT, BLOCK_N)
     valid = (m0 < n) & is_tile  # m0 < n: not past a shorter varlen sequence
-    return valid, r, b, h, m0, n, bc, seq0, lse0, key0, n_tiles
+    return valid, r, b, h, m0, n, n_k, bc, seq0, lse0, key0, n_tiles
 
 
 @gluon.jit
@@ -178,7 +182,7 @@ def _block_of(w, r, consumers: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.
 
 
 @gluon.jit
-def _forward_producer(q_desc, k_desc, v_desc, q_rings, k_ring, v_ring, N, H, GROUP, CU_SEQLENS, units, schedule,
+def _forward_producer(q_desc, k_desc, v_desc, q_rings, k_ring, v_ring, N, N_K, H, GROUP, CU_SEQLENS, units, schedule,
                       n_m, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr,
                       ROTATE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
     """For each of this program's tiles: each warpgroup's Q tile (into that warpgroup's ring of Q tiles; rows
@@ -188,8 +192,8 @@ def _forward_producer(q_desc, k_desc, v_desc, q_rings, k_ring, v_ring, N, H, GRO
     done = 0
     first, count = _program_tiles(schedule, units, CAUSAL)
     for i in range(count):
-        valid, r, _, h, m0, _, bc, seq0, _, key0, n_tiles = _forward_tile(
-            _entry(schedule, first, i, count), schedule, n_m, N, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN,
+        valid, r, _, h, m0, _, _, bc, seq0, _, key0, n_tiles = _forward_tile(
+            _entry(schedule, first, i, count), schedule, n_m, N, N_K, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN,
             flat_view(q_desc), len(q_rings) * BLOCK_M, BLOCK_N,
         )  # fmt: skip
         if valid:
@@ -249,11 +253,12 @@ def _pass(k_ring, v_ring, it, n, turns):
 
 
 @gluon.jit
-def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, n, qk_scale, window_left, turns,
+def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, n_k, qk_scale, window_left, turns,
             CAUSAL: gl.constexpr, LEFT: gl.constexpr, RAGGED: gl.constexpr, ROTATE: gl.constexpr,
             BLOCK_N: gl.constexpr, D: gl.constexpr, TREE: gl.constexpr):  # fmt: skip
     """One warpgroup's query rows (Q in q_smem, position q_at of q_ring) against n_tiles (K, V) tiles from
-    position it of their rings on, in the order of step_tile: (O unnormalised, row max, row sum). Step j's
+    position it of their rings on, in the order of step_tile, keys past n_k masked: (O unnormalised, row max, row
+    sum). Step j's
     S = Q K_j^T is issued together with step j-1's O += P V_{j-1}, and the softmax of S_j comes between the waits
     for the two (which ptxas moves to before the exps). K_j goes back once S_j is done, V_j once P V_j is, and Q
     once every S is, before the last P V. With turns (_await_turn), the first S and each step's S and P V are
@@ -277,7 +282,7 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows_s)
     first_col = key0 + step_tile(0, n_tiles, ROTATE) * BLOCK_N
     p, m_i, l_i, alpha = _online_softmax(scores, m_i, gl.zeros([BLOCK_M], gl.float32, rows_s), rows, first_row,
-                                         first_col, n, qk_scale, window_left, CAUSAL, LEFT, RAGGED, BLOCK_N,
+                                         first_col, n_k, qk_scale, window_left, CAUSAL, LEFT, RAGGED, BLOCK_N,
                                          TREE)  # fmt: skip
     p = gl.convert_layout(p.to(dtype), p_layout)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
@@ -291,7 +296,7 @@ def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, 
         scores = warpgroup_mma_wait(1, deps=(scores, q_smem, k))[0]  # S_j done; P V_{j-1} may still run
         give(k_ring, it + j)
         p_next, m_i, l_i, alpha = _online_softmax(
-            scores, m_i, l_i, rows, first_row, key0 + step_tile(j, n_tiles, ROTATE) * BLOCK_N, n, qk_scale,
+            scores, m_i, l_i, rows, first_row, key0 + step_tile(j, n_tiles, ROTATE) * BLOCK_N, n_k, qk_scale,
             window_left, CAUSAL and not ROTATE, LEFT, RAGGED and not ROTATE, BLOCK_N, TREE,
         )  # fmt: skip
         acc = warpgroup_mma_wait(0, deps=(acc, p, v))[0]
@@ -317,10 +322,10 @@ def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEF
     epilogue stores O straight from registers or, with outputs' o_store = (o_desc, a tile per warpgroup),
     through shared memory and a TMA store that runs on while the next tile starts (a register store writes each
     row's columns in 16-byte pieces, 8 rows per instruction), except where a varlen sequence ends inside the rows.
-    shared: what every consumer takes, (outputs, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale,
+    shared: what every consumer takes, (outputs, k_ring, v_ring, N, N_K, H, CU_SEQLENS, units, schedule, n_m, qk_scale,
     window_left, sinks), outputs being (O, its (batch, row, head) strides, o_store, lse_out), lse_out (LSE, its batch
     and head strides) or () where no LSE is asked for, sinks (SINKS,) or () for none."""
-    outputs, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale, window_left, sinks = shared
+    outputs, k_ring, v_ring, N, N_K, H, CU_SEQLENS, units, schedule, n_m, qk_scale, window_left, sinks = shared
     O, o_strides, o_store, lse_out = outputs
     BLOCK_M: gl.constexpr = q_ring[0][0].shape[1]
     o_layout: gl.constexpr = mma_layout(D)
@@ -337,12 +342,13 @@ def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEF
     e = _entry(schedule, first, 0, count)
     for i in range(count):
         e_next = _entry(schedule, first, i + 1, count)  # a tile ahead: off the tile's start
-        valid, r, b, h, m0, n, bc, seq0, lse0, key0, n_tiles = _forward_tile(
-            e, schedule, n_m, N, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN, FLAT, CONSUMERS * BLOCK_M, BLOCK_N
-        )
+        valid, r, b, h, m0, n, n_k, bc, seq0, lse0, key0, n_tiles = _forward_tile(
+            e, schedule, n_m, N, N_K, H, CU_SEQLENS, window_left, CAUSAL, LEFT, VARLEN, FLAT, CONSUMERS * BLOCK_M,
+            BLOCK_N,
+        )  # fmt: skip
         if valid:
             first_row = m0 + _block_of(W, r, CONSUMERS, BLOCK_M, BLOCK_N) * BLOCK_M
-            own0, n_own = key_tiles(first_row, BLOCK_M, n, window_left, CAUSAL, LEFT, BLOCK_N)
+            own0, n_own = key_tiles(first_row, BLOCK_M, n_k, window_left, CAUSAL, LEFT, BLOCK_N)
             lead = (own0 - key0) // BLOCK_N
             if first_row >= n:
                 lead = n_tiles
@@ -350,7 +356,7 @@ def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEF
             q_smem = take(q_ring, done)[0]
             _pass(k_ring, v_ring, it, lead, turns)
             if n_own > 0:
-                acc, m_i, l_i = _attend(q_smem, q_ring, k_ring, v_ring, done, it + lead, first_row, own0, n_own, n,
+                acc, m_i, l_i = _attend(q_smem, q_ring, k_ring, v_ring, done, it + lead, first_row, own0, n_own, n_k,
                                         qk_scale, window_left, turns, CAUSAL, LEFT, RAGGED, ROTATE, BLOCK_N, D,
                                         TREE)  # fmt: skip
                 scale = 1.0 / l_i
@@ -394,8 +400,8 @@ def _forward_consumer(shared, q_ring, W: gl.constexpr, CAUSAL: gl.constexpr, LEF
 
 @gluon.jit
 def attention_forward_sm90_kernel(
-    q_desc, k_desc, v_desc, o_desc, O, stride_ob, stride_om, stride_oh, LSE, stride_lb, stride_lh, SINKS, N, H, GROUP,
-    qk_scale, window_left, CU_SEQLENS, units, SCHEDULE, m_bits, h_bits, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
+    q_desc, k_desc, v_desc, o_desc, O, stride_ob, stride_om, stride_oh, LSE, stride_lb, stride_lh, SINKS, N, N_K, H,
+    GROUP, qk_scale, window_left, CU_SEQLENS, units, SCHEDULE, m_bits, h_bits, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
     VARLEN: gl.constexpr, RAGGED: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, Q_STAGES: gl.constexpr, STAGES: gl.constexpr,
     TREE_ROWS: gl.constexpr, PINGPONG: gl.constexpr, LAST_FIRST: gl.constexpr,
@@ -405,15 +411,16 @@ def attention_forward_sm90_kernel(
     ``units`` (_forward_tile), a tile being CONSUMERS * BLOCK_M query rows of one head (2 or 3 consumer warpgroups
     of BLOCK_M rows each).
     q/k/v_desc: (B, N, H, HEAD_D) tensors (primitives.py), blocks of [1, rows, 1, D] (D >= HEAD_D), or their flat
-    (B * N, H, HEAD_D) views, blocks of [rows, 1, D] (all of them, or none): B sequences of N rows, or with VARLEN one
-    batch row, sequence b at rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] (N the longest);
-    RAGGED: some sequence is not a whole number of tiles. O: the output, (B, N, H, HEAD_D) with those strides,
-    stored from registers, or through o_desc (blocks of BLOCK_M rows, D or D / 2 columns) when that is not None; LSE:
-    each row's natural-log LSE, or None where the caller needs none; SINKS: (H,) fp32 logits, one more per row, or
-    None. Rings of shared memory: Q_STAGES tiles per consumer warpgroup, STAGES K tiles and STAGES V tiles. CAUSAL:
-    query i sees keys j <= i, and with LEFT only j >= i - window_left. TREE_ROWS: the softmax's row max and sum as
-    trees (_row_max). PINGPONG: the consumers issue their MMAs in turns (_await_turn). LAST_FIRST: causal tiles
-    stream their diagonal key tile first where they can (last_first)."""
+    (B * N, H, HEAD_D) views, blocks of [rows, 1, D] (all of them, or none): B sequences of N rows (k, v: N_K rows,
+    where the caller asks for no mask and sees the flat views only for N_K = N), or with VARLEN one batch row,
+    sequence b at rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] (N the longest, N_K unread);
+    RAGGED: some sequence, of queries or keys, is not a whole number of tiles. O: the output, (B, N, H, HEAD_D) with
+    those strides, stored from registers, or through o_desc (blocks of BLOCK_M rows, D or D / 2 columns) when that
+    is not None; LSE: each row's natural-log LSE, or None where the caller needs none; SINKS: (H,) fp32 logits, one
+    more per row, or None. Rings of shared memory: Q_STAGES tiles per consumer warpgroup, STAGES K tiles and STAGES
+    V tiles. CAUSAL: query i sees keys j <= i, and with LEFT only j >= i - window_left. TREE_ROWS: the softmax's row
+    max and sum as trees (_row_max). PINGPONG: the consumers issue their MMAs in turns (_await_turn). LAST_FIRST:
+    causal tiles stream their diagonal key tile first where they can (last_first)."""
     FLAT: gl.constexpr = flat_view(q_desc, k_desc, v_desc, o_desc)
     ROTATE: gl.constexpr = last_first(CAUSAL, LEFT, RAGGED, CONSUMERS, BLOCK_M, BLOCK_N, LAST_FIRST)
     k_ring = ring((tiles(k_desc, STAGES),), CONSUMERS)
@@ -434,7 +441,7 @@ def attention_forward_sm90_kernel(
     if SINKS is not None:
         sinks = (SINKS,)
     outputs = (O, (stride_ob, stride_om, stride_oh), o_store, lse_out)
-    shared = (outputs, k_ring, v_ring, N, H, CU_SEQLENS, units, schedule, n_m, qk_scale, window_left, sinks)
+    shared = (outputs, k_ring, v_ring, N, N_K, H, CU_SEQLENS, units, schedule, n_m, qk_scale, window_left, sinks)
     if CONSUMERS == 2:
         gl.warp_specialize(
             [
@@ -442,8 +449,9 @@ def attention_forward_sm90_kernel(
                                      HEAD_D, TREE_ROWS, PINGPONG)),
                 (_forward_consumer, (shared, q1, 1, CAUSAL, LEFT, VARLEN, FLAT, RAGGED, ROTATE, CONSUMERS, BLOCK_N, D,
                                      HEAD_D, TREE_ROWS, PINGPONG)),
-                (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1), k_ring, v_ring, N, H, GROUP, CU_SEQLENS, units,
-                                     schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, ROTATE, BLOCK_M, BLOCK_N)),
+                (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1), k_ring, v_ring, N, N_K, H, GROUP, CU_SEQLENS,
+                                     units, schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, ROTATE, BLOCK_M,
+                                     BLOCK_N)),
             ],
             [CONSUMER_WARPS, PRODUCER_WARPS],
             [TWO_CONSUMER_REGISTERS, PRODUCER_REGISTERS],
@@ -458,9 +466,9 @@ def attention_forward_sm90_kernel(
                                      HEAD_D, TREE_ROWS, PINGPONG)),
                 (_forward_consumer, (shared, q2, 2, CAUSAL, LEFT, VARLEN, FLAT, RAGGED, ROTATE, CONSUMERS, BLOCK_N, D,
                                      HEAD_D, TREE_ROWS, PINGPONG)),
-                (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1, q2), k_ring, v_ring, N, H, GROUP, CU_SEQLENS,
-                                     units, schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, ROTATE, BLOCK_M,
-                                     BLOCK_N)),
+                (_forward_producer, (q_desc, k_desc, v_desc, (q0, q1, q2), k_ring, v_ring, N, N_K, H, GROUP,
+                                     CU_SEQLENS, units, schedule, n_m, window_left, CAUSAL, LEFT, VARLEN, ROTATE,
+                                     BLOCK_M, BLOCK_N)),
             ],
             [CONSUMER_WARPS, CONSUMER_WARPS, PRODUCER_WARPS],
             [THREE_CONSUMER_REGISTERS, THREE_CONSUMER_REGISTERS, PRODUCER_REGISTERS],
