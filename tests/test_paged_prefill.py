@@ -5,6 +5,7 @@ Outputs are NaN-poisoned by conftest (torch.empty fills with NaN), so a row a ke
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import pytest
@@ -121,6 +122,21 @@ def test_paged_prefill_errors():
         call(q=q[..., :12], k=k_cache[..., :12], v=v_cache[..., :12])
     with pytest.raises(TypeError, match="sinks"):
         call(sinks=[0.0] * q.shape[1])
+
+
+def test_a_block_table_checked_for_one_page_size_is_checked_again_for_another():
+    """Which entries a call reads depends on the page size: a table whose padding entry pages of 8 rows never reach
+    is refused where pages of 4 read it."""
+    table = torch.tensor([[0, -1]], dtype=torch.int32)
+    q, cu_q, cu_k = (
+        torch.randn(1, 2, 8),
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([0, 5], dtype=torch.int32),
+    )
+    for page_size, refused in ((8, False), (4, True)):
+        k, v = torch.randn(2, page_size, 2, 8), torch.randn(2, page_size, 2, 8)
+        with pytest.raises(ValueError, match="1 page entries outside") if refused else contextlib.nullcontext():
+            flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 5, block_table=table)
 
 
 def test_paged_prefill_traces_fullgraph():

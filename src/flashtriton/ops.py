@@ -56,8 +56,10 @@ def _unpaged(k: torch.Tensor, v: torch.Tensor, p: AttentionParams):
     key = torch.arange(starts[-1], device=k.device) - p.cu_seqlens_k.long()[sequence]  # within its sequence
     pages, rows = p.key_pages.long()[sequence, key // k.shape[1]], key % k.shape[1]
     # indexing would wrap a -1 (a common padding entry) to the last page, and an index past the cache faults on CUDA
-    outside = host_read(
-        p.key_pages, ("outside", k.shape[0], *starts), lambda _: int(((pages < 0) | (pages >= k.shape[0])).sum())
+    outside = host_read(  # which entries the rows read: the page size's and the lengths' choice
+        p.key_pages,
+        ("outside", *k.shape[:2], *starts),
+        lambda _: int(((pages < 0) | (pages >= k.shape[0])).sum()),
     )
     if outside:
         raise ValueError(
