@@ -75,8 +75,8 @@ def main() -> None:
             row[f"{mode}_base_over_head"] = round(ms["base"] / ms["head"], 3)
         rows.append(row)
         print(row, flush=True)
-    with open(os.environ.get("OUT", ".") + "/cross_probe.json", "w") as f:
-        json.dump(rows, f, indent=1)
+        with open(os.environ.get("OUT", ".") + "/cross_probe.json", "w") as f:  # after every case: a cut run keeps it
+            json.dump(rows, f, indent=1)
     print("d b h/h_k n_q n_k causal | fwd: sdpa/head base/head | fwd+bwd: sdpa/head base/head")
     for r in rows:
         print(

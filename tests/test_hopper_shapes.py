@@ -185,23 +185,29 @@ def test_gluon_kernels_on_users_shapes(n, head_dim, mode, layout, deterministic,
 
 
 # keys of another length than the queries (cross-attention, no mask): lengths that end inside tiles on either side, a
-# single query or key, GQA; the forward is the Gluon kernel's, the backward the portable kernels'
+# single query or key, GQA; the fused backward from long spans, the pair below them and deterministic
 CROSS = [(1000, 4096, 128), (4096, 1000, 128), (300, 2047, 64), (2048, 77, 256), (1, 513, 128), (513, 1, 64)]
 
 
-def test_cross_attention_forward_takes_the_gluon_kernel():
+def test_cross_attention_takes_the_gluon_kernels():
     q, k = torch.zeros(2, 1000, 4, 128, dtype=torch.bfloat16), torch.zeros(2, 4096, 2, 128, dtype=torch.bfloat16)
     dense = AttentionParams(128**-0.5)
     assert route.forward(q, k, k, dense, gpu="sm90").family == route.HOPPER
-    # a mask aligned bottom-right between two lengths, and the backward, stay on the portable kernels
-    assert route.forward(q, k, k, AttentionParams(128**-0.5, window_right=0), gpu="sm90").family == route.PORTABLE
-    assert route.backward(q, None, q, k, k, q, None, dense, gpu="sm90").family == route.PORTABLE
+    backward = route.backward(q, None, q, k, k, q, None, dense, gpu="sm90")
+    assert (backward.family, backward.dq) == (route.HOPPER, route.FUSED)
+    deterministic = AttentionParams(128**-0.5, deterministic=True)
+    assert route.backward(q, None, q, k, k, q, None, deterministic, gpu="sm90").dq == route.PAIR
+    # a mask aligned bottom-right between two lengths stays on the portable kernels
+    causal = AttentionParams(128**-0.5, window_right=0)
+    assert route.forward(q, k, k, causal, gpu="sm90").family == route.PORTABLE
+    assert route.backward(q, None, q, k, k, q, None, causal, gpu="sm90").family == route.PORTABLE
 
 
 @hopper
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
 @pytest.mark.parametrize("layout", ["contiguous", "model"])
 @pytest.mark.parametrize("n_q,n_k,head_dim", CROSS, ids=[f"q{a}-k{b}-d{d}" for a, b, d in CROSS])
-def test_gluon_forward_on_cross_attention(n_q, n_k, head_dim, layout, monkeypatch):
+def test_gluon_kernels_on_cross_attention(n_q, n_k, head_dim, layout, deterministic, monkeypatch):
     calls = _spy(monkeypatch)
     shapes = (2, n_q, 4, head_dim), (2, n_k, 2, head_dim), (2, n_k, 2, head_dim)
     if layout == "model":  # (B, H, N, D) storage seen as (B, N, H, D)
@@ -211,12 +217,16 @@ def test_gluon_forward_on_cross_attention(n_q, n_k, head_dim, layout, monkeypatc
         q, k, v = (x.transpose(1, 2) for x in leaves)
     else:
         leaves = q, k, v = [torch.randn(s, device="cuda", dtype=torch.bfloat16).requires_grad_() for s in shapes]
-    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
+    out, lse, _ = flash_attn_func(q, k, v, deterministic=deterministic, return_attn_probs=True)
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
     torch.autograd.backward((out, lse), (dout, dlse))
+    for leaf in leaves:  # the gradients come back in their inputs' layouts
+        assert leaf.grad.stride() == leaf.stride()
     grads = [x.grad.transpose(1, 2) if layout == "model" else x.grad for x in leaves]
     _check(f"{layout} q{n_q} k{n_k}", (out, lse, *grads), q, k, v, dout, dlse, False)
-    assert calls == ["_hopper_forward"]
+    assert calls[0] == "_hopper_forward"
+    gluon_backward = not (deterministic and config.hopper_width(head_dim) == 256)  # no Gluon dQ kernel 256 wide
+    assert ("_hopper_dkdv" in calls) == gluon_backward
 
 
 # documents that end inside tiles (one of a single row); the longest of each set takes the forward's long causal span

@@ -181,14 +181,14 @@ def _starts_aligned(p: AttentionParams, tile: int) -> bool:
     return starts is not None and all(start % tile == 0 for start in starts[:-1])
 
 
-def hopper_fits(p: AttentionParams, *tensors: torch.Tensor, cross: bool = False) -> bool:
+def hopper_fits(p: AttentionParams, *tensors: torch.Tensor) -> bool:
     """The Gluon kernels' scope: plain dense, causal or causal sliding-window self-attention (varlen: the same
-    cu_seqlens for queries and keys, known to the host), in layouts TMA reads (tensors: q, k, v and any more,
-    (B, N, H, D) or varlen). cross (the forward's): also dense attention without a mask whose keys (k, v: tensors 1
-    and 2) are of another length than the queries."""
+    cu_seqlens for queries and keys, known to the host), and dense attention without a mask whose keys (k, v:
+    tensors 1 and 2) are of another length than the queries (cross-attention), in layouts TMA reads (tensors: q, k,
+    v and any more, (B, N, H, D) or varlen)."""
     q = tensors[0]
     n = q.shape[-3]
-    keys_apart = cross and not p.varlen and not p.windowed
+    keys_apart = not p.varlen and not p.windowed
     return (
         p.plain
         and not p.sparse
@@ -277,7 +277,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionPara
     # a varlen sequence that ends inside a tile has its last rows of O stored from registers: 256 wide they spill
     if (
         cfg is not None
-        and hopper_fits(p, q, k, v, cross=True)
+        and hopper_fits(p, q, k, v)
         and (config.hopper_width(head_dim) <= 128 or whole_sequences(p, 0, cfg.rows))
     ):
         return Route(HOPPER, cfg)

@@ -151,13 +151,16 @@ def _gluon_rows(x: torch.Tensor, rows: int) -> Descriptor:
 
 def _hopper_common(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, p: AttentionParams, rows: int):
     """(batch, longest sequence, the arguments every Gluon kernel takes); ``rows``: the config's tile rows, which
-    a sequence that ends inside one (RAGGED) makes the kernels mask past its end."""
-    batch, n, _ = route.lengths(q, k, p)
+    a sequence that ends inside one (RAGGED) makes the kernels mask past its end. N_K: the keys' length, which a
+    dense call without a mask may have apart from the queries' (route.hopper_fits); varlen, N."""
+    batch, n, n_k = route.lengths(q, k, p)
+    n_k = n if p.varlen else n_k
     stride_lb, stride_lh = _lse_strides(lse, p.varlen)
     return batch, n, dict(
-        stride_lb=stride_lb, stride_lh=stride_lh, N=n, H=q.shape[2], GROUP=q.shape[2] // k.shape[2],
+        stride_lb=stride_lb, stride_lh=stride_lh, N=n, N_K=n_k, H=q.shape[2], GROUP=q.shape[2] // k.shape[2],
         qk_scale=p.softmax_scale * LOG2E, window_left=window_bound(p.window_left, 2 * n), CU_SEQLENS=p.cu_seqlens_q,
-        CAUSAL=p.diagonal, LEFT=p.left_bounded, VARLEN=p.varlen, RAGGED=not route.whole_sequences(p, n, rows),
+        CAUSAL=p.diagonal, LEFT=p.left_bounded, VARLEN=p.varlen,
+        RAGGED=not route.whole_sequences(p, n, rows) or (not p.varlen and n_k % rows != 0),
         D=config.hopper_width(q.shape[3]), HEAD_D=q.shape[3], num_warps=config.HOPPER_NUM_WARPS,
     )  # fmt: skip
 
@@ -186,8 +189,6 @@ def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperFor
     units i, i + P, ... (kernels/hopper/forward.py's _forward_tile). The _hopper_* launchers return Launcher.bind's
     (Bound, tensors), for a Recorder."""
     batch, n, common = _hopper_common(q, k, lse, p, cfg.rows)
-    n_k = route.lengths(q, k, p)[2]  # cross-attention's keys (route.hopper_fits): in tiles of their own
-    common["RAGGED"] = common["RAGGED"] or n_k % cfg.block_n != 0
     rows = cfg.consumers * cfg.block_m
     tiles = cdiv(n, rows)
     units = (cdiv(tiles, 2) if common["CAUSAL"] else tiles) * batch * common["H"]
@@ -201,7 +202,7 @@ def _hopper_forward(q, k, v, out, lse, p: AttentionParams, cfg: config.HopperFor
         _gluon_view(q, cfg.block_m, flat=flat), _gluon_view(k, cfg.block_n, flat=flat),
         _gluon_view(v, cfg.block_n, flat=flat),
         _gluon_view(out, cfg.block_m, common["D"] // cfg.o_pieces, flat) if staged else None, out,
-        *_strides(out, p.varlen), lse, **common, N_K=n_k, SINKS=p.sinks, units=units, SCHEDULE=table, m_bits=bits[0],
+        *_strides(out, p.varlen), lse, **common, SINKS=p.sinks, units=units, SCHEDULE=table, m_bits=bits[0],
         h_bits=bits[1], CONSUMERS=cfg.consumers,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_STAGES=cfg.q_stages, STAGES=cfg.stages,
         TREE_ROWS=cfg.tree_rows, PINGPONG=cfg.pingpong,
@@ -367,7 +368,7 @@ def _tuning_key(p: AttentionParams, head_dim: int, dtype: torch.dtype, span: int
 def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams, cfg: config.HopperBackwardConfig):
     """dK, dV and, when dq_sums (fp32, (B, whole tiles of rows, H, the tiles' width), zeroed) is given, dQ added
     into it by TMA reductions; lse and delta in aligned rows (_aligned_rows)."""
-    batch, n, common = _hopper_common(q, k, lse, p, cfg.rows)
+    batch, _, common = _hopper_common(q, k, lse, p, cfg.rows)
     cols = common["D"] // 2 if cfg.split_d else common["D"]  # of dK and dV per warpgroup
     # dK and dV staged in the K and V tiles for TMA stores, in their dtype: fp32 results go out from registers
     flat = _flat(common, q, k, v, dout, dk, dv)
@@ -375,7 +376,7 @@ def _hopper_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_sums, p: AttentionParams,
     sums_rows = 0 if dq_sums is None else dq_sums.shape[1]
     if dq_sums is not None:  # TMA reductions of D / 2 columns per warpgroup, split_d's in two pieces
         dq_sums = (_sums_view if cfg.split_d else _fragments_view)(dq_sums, cfg.block_m, cols // 2)
-    heads, blocks = batch * k.shape[2], cdiv(n, cfg.keys)
+    heads, blocks = batch * k.shape[2], cdiv(common["N_K"], cfg.keys)
     order_heads = min(max(cfg.order_programs // blocks, 1), config.ORDER_HEADS, heads) if common["CAUSAL"] else 1
     return _DKDV_SM90.bind((blocks * heads,))(
         _gluon_view(q, cfg.block_m, flat=flat), _gluon_view(k, cfg.block_n, flat=flat),

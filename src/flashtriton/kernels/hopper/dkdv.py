@@ -4,12 +4,13 @@ Notation
   B, H, HKV    batch, query heads, key/value heads; GROUP = H // HKV query heads share a K/V head
   N            sequence length, of queries and keys alike (self-attention); VARLEN: the longest, sequence b being
                rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] of the packed batch. RAGGED: some sequence ends inside a tile
+  N_K          the keys' length: N, or apart from it in a dense call without a mask (cross-attention)
   D            the tiles' width (64, 128, 256); HEAD_D <= D the tensors' head dim (primitives.py)
   BLOCK_M      query rows per streamed step
   BLOCK_N      keys of one consumer warpgroup (SPLIT_D: of both, each taking D / 2 columns)
   KEYS         keys per program: 2 * BLOCK_N, or BLOCK_N with SPLIT_D
 
-Grid: (cdiv(N, KEYS) * B * HKV,), in groups of order_heads K/V heads, each group's key blocks in order (causal: the
+Grid: (cdiv(N_K, KEYS) * B * HKV,), in groups of order_heads K/V heads, each group's key blocks in order (causal: the
 longest first). One program computes dK and dV of KEYS keys of one K/V head: its two consumer warpgroups keep K and
 V resident and stream the (Q, dO, LSE, delta) tiles of every query head of the GQA group, S^T = K Q^T,
 dP^T = V dO^T, dV += P^T dO, dK += dS^T Q. LSE and delta come through TMA as well, so that a step's reads of them
@@ -125,16 +126,16 @@ def _piece_add(desc, coord, value, smem):
 
 
 @gluon.jit
-def _ragged(p_t, rows, keys, n, ROWS: gl.constexpr, KEYS: gl.constexpr):
-    """p_t (keys x queries) with the entries of queries (ROWS) or keys (KEYS) past the sequence's n zeroed. Varlen,
+def _ragged(p_t, rows, keys, n, n_k, ROWS: gl.constexpr, KEYS: gl.constexpr):
+    """p_t (keys x queries) with the entries of queries past n (ROWS) or keys past n_k (KEYS) zeroed. Varlen,
     both: their rows are the next sequence's. A dense sequence's query rows past n need none: Q, dO are TMA's zeros
     there and LSE, delta zeros, so P = 1 and dS = 0 (causal, the band excludes its keys past n for the rows before
-    n). Its keys past n do, unmasked: a row's P = exp(-LSE) there overflows where LSE is very negative, and
+    n). Its keys past n_k do, unmasked: a row's P = exp(-LSE) there overflows where LSE is very negative, and
     dS = -P delta times K's zeros is then NaN in dQ."""
     if ROWS and KEYS:
-        p_t = gl.where(gl.expand_dims(keys < n, 1) & gl.expand_dims(rows < n, 0), p_t, 0.0)
+        p_t = gl.where(gl.expand_dims(keys < n_k, 1) & gl.expand_dims(rows < n, 0), p_t, 0.0)
     elif KEYS:
-        p_t = gl.where(gl.expand_dims(keys < n, 1), p_t, 0.0)
+        p_t = gl.where(gl.expand_dims(keys < n_k, 1), p_t, 0.0)
     return p_t
 
 
@@ -151,12 +152,12 @@ def _store_keys(key_descs, outs, which: gl.constexpr, value, smem, coord, rows_l
 
 
 @gluon.jit
-def _dkdv_consumer(key_descs, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_at, outs, n0, n, first_query, sums_row,
+def _dkdv_consumer(key_descs, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_at, outs, n0, n, n_k, first_query, sums_row,
                    q_col, n_steps, GROUP, qk_scale, softmax_scale, window_left, W: gl.constexpr, FUSED: gl.constexpr,
                    DQ_LATE: gl.constexpr, READ_AHEAD: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                    VARLEN: gl.constexpr, RAGGED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    D: gl.constexpr, HEAD_D: gl.constexpr):  # fmt: skip
-    """Warpgroup W's BLOCK_N keys (n0 + W * BLOCK_N on in the sequence of n; kv_at: the program's parked (batch,
+    """Warpgroup W's BLOCK_N keys (n0 + W * BLOCK_N on among n_k, against n queries; kv_at: the program's parked (batch,
     first key row, K/V head) coordinate in the descriptors):
     for each query tile of the ring ``steps``, S^T = K Q^T and dP^T = V dO^T (both from shared memory), then
     dV += P^T dO and dK += dS^T Q with P^T and dS^T from registers. key_descs, outs: _store_keys'; sums_row, q_col:
@@ -218,7 +219,7 @@ def _dkdv_consumer(key_descs, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_at, out
                 # FUSED: every step, as a branch here makes ptxas serialise the fused kernel's wgmmas (C7512)
                 if FUSED or outside_band(q0, q0 + BLOCK_M - 1, first_key, first_key + BLOCK_N - 1, window_left, LEFT):
                     p_t = band_only(p_t, rows, keys, window_left, LEFT)
-            p_t = _ragged(p_t, rows, keys, n, VARLEN and RAGGED, RAGGED and (VARLEN or not CAUSAL))
+            p_t = _ragged(p_t, rows, keys, n, n_k, VARLEN and RAGGED, RAGGED and (VARLEN or not CAUSAL))
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv, is_async=True)
             if not READ_AHEAD:
                 delta = delta_bufs.index(s).load(queries)
@@ -255,8 +256,8 @@ def _dkdv_consumer(key_descs, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_at, out
         mbarrier.wait(ds_ready.index((n_all + 1) % 2), ((n_all + 1) // 2) & 1)
     bc, row, hk = unpark(kv_at, CONSUMER_WARPS)
     coord = [bc, row + W * BLOCK_N, hk, 0]
-    _store_keys(key_descs, outs, 0, dk * softmax_scale, k_smem, coord, n - first_key, VARLEN, RAGGED, HEAD_D)
-    _store_keys(key_descs, outs, 1, dv, v_smem, coord, n - first_key, VARLEN, RAGGED, HEAD_D)
+    _store_keys(key_descs, outs, 0, dk * softmax_scale, k_smem, coord, n_k - first_key, VARLEN, RAGGED, HEAD_D)
+    _store_keys(key_descs, outs, 1, dv, v_smem, coord, n_k - first_key, VARLEN, RAGGED, HEAD_D)
 
 
 @gluon.jit
@@ -271,7 +272,8 @@ def _exchange(bars, it):
 
 @gluon.jit
 def _dkdv_split_consumer(key_descs, dq_desc, k_smem, v_smem, steps, pt_bufs, dst_bufs, p_ready, ds_ready,
-                         kv_bar, kv_at, outs, first_key, n, first_query, sums_row, q_col, n_steps, GROUP, qk_scale,
+                         kv_bar, kv_at, outs, first_key, n, n_k, first_query, sums_row, q_col, n_steps, GROUP,
+                         qk_scale,
                          softmax_scale, window_left, W: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                          VARLEN: gl.constexpr, RAGGED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          D: gl.constexpr, HEAD_D: gl.constexpr):  # fmt: skip
@@ -322,7 +324,7 @@ def _dkdv_split_consumer(key_descs, dq_desc, k_smem, v_smem, steps, pt_bufs, dst
             rows = first_query + j * BLOCK_M + W * QH + gl.arange(0, QH, queries)
             if CAUSAL:  # every step: a branch here could make ptxas serialise the wgmmas (C7512)
                 p_t = band_only(p_t, rows, keys, window_left, LEFT)
-            p_t = _ragged(p_t, rows, keys, n, RAGGED, RAGGED)  # D=256: without the row masks it ran slower
+            p_t = _ragged(p_t, rows, keys, n, n_k, RAGGED, RAGGED)  # D=256: without the row masks it ran slower
             pt = pt_bufs.index(it % 2)
             pt.slice(W * QH, QH, dim=1).store(p_t.to(dtype))
             _exchange(p_ready, it)
@@ -346,20 +348,21 @@ def _dkdv_split_consumer(key_descs, dq_desc, k_smem, v_smem, steps, pt_bufs, dst
     _exchange(p_ready, GROUP * n_steps)
     bc, row, hk = unpark(kv_at, CONSUMER_WARPS)
     coord = [bc, row, hk, W * DH]
-    _store_keys(key_descs, outs, 0, dk * softmax_scale, k_cols, coord, n - first_key, VARLEN, RAGGED, HEAD_D)
-    _store_keys(key_descs, outs, 1, dv, v_smem.slice(W * DH, DH, dim=1), coord, n - first_key, VARLEN, RAGGED, HEAD_D)
+    _store_keys(key_descs, outs, 0, dk * softmax_scale, k_cols, coord, n_k - first_key, VARLEN, RAGGED, HEAD_D)
+    _store_keys(key_descs, outs, 1, dv, v_smem.slice(W * DH, DH, dim=1), coord, n_k - first_key, VARLEN, RAGGED,
+                HEAD_D)  # fmt: skip
 
 
 @gluon.jit
 def attention_backward_dkdv_sm90_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, DK, stride_dkb, stride_dkm, stride_dkh, DV, stride_dvb,
-    stride_dvm, stride_dvh, dq_desc, sums_rows, lse_desc, delta_desc, stride_lb, stride_lh, N, H, GROUP, qk_scale,
+    stride_dvm, stride_dvh, dq_desc, sums_rows, lse_desc, delta_desc, stride_lb, stride_lh, N, N_K, H, GROUP, qk_scale,
     softmax_scale, window_left, CU_SEQLENS, order_heads,
     CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, RAGGED: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, DQ_LATE: gl.constexpr,
     READ_AHEAD: gl.constexpr, SPLIT_D: gl.constexpr, WORKER_REGISTERS: gl.constexpr,
 ):  # fmt: skip
-    """Grid (cdiv(N, KEYS) * B * HKV,): dK, dV of KEYS keys of one K/V head, two consumer warpgroups and a producer
+    """Grid (cdiv(N_K, KEYS) * B * HKV,): dK, dV of KEYS keys of one K/V head, two consumer warpgroups and a producer
     warp streaming the (Q, dO, LSE, delta) tiles of the GQA group through a ring of STAGES slots; lse/delta_desc: LSE
     and DELTA in their aligned rows (strides stride_lb, stride_lh; primitives.rows_start) as flat vectors, in blocks
     of BLOCK_M entries. The warpgroups take BLOCK_N keys each (KEYS = 2 * BLOCK_N)
@@ -373,7 +376,7 @@ def attention_backward_dkdv_sm90_kernel(
     KEYS: gl.constexpr = BLOCK_N if SPLIT_D else 2 * BLOCK_N
     # programs in groups of order_heads K/V heads, each group's key blocks in order: its first blocks (causal: the
     # longest) before the next
-    n_blocks = gl.cdiv(N, KEYS)
+    n_blocks = gl.cdiv(N_K, KEYS)
     pid = gl.program_id(0)
     group0 = pid // (order_heads * n_blocks) * order_heads
     in_group = gl.minimum(order_heads, gl.num_programs(0) // n_blocks - group0)
@@ -384,7 +387,9 @@ def attention_backward_dkdv_sm90_kernel(
     hk = pid_bh % hkv
     n0 = pid_n * KEYS
     bc, seq0, N, _ = sequence(CU_SEQLENS, b, N, VARLEN, flat_view(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc))
+    n_k = N_K
     if VARLEN:
+        n_k = N
         if n0 >= N:
             return
     kv = [bc, seq0 + n0, hk, 0]
@@ -438,11 +443,11 @@ def attention_backward_dkdv_sm90_kernel(
         gl.warp_specialize(
             [
                 (_dkdv_split_consumer, (key_descs, dq_desc, k_bufs.index(0), v_bufs.index(0), steps, pt_bufs,
-                                        dst_bufs, p_ready, ds_ready, kv_bar, kv_at, outs, n0, N, first_query,
+                                        dst_bufs, p_ready, ds_ready, kv_bar, kv_at, outs, n0, N, n_k, first_query,
                                         sums_row, h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left, 0,
                                         CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D, HEAD_D)),
                 (_dkdv_split_consumer, (key_descs, dq_desc, k_bufs.index(0), v_bufs.index(0), steps, pt_bufs,
-                                        dst_bufs, p_ready, ds_ready, kv_bar, kv_at, outs, n0, N, first_query,
+                                        dst_bufs, p_ready, ds_ready, kv_bar, kv_at, outs, n0, N, n_k, first_query,
                                         sums_row, h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left, 1,
                                         CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D, HEAD_D)),
                 (_dkdv_producer, producer),
@@ -453,11 +458,11 @@ def attention_backward_dkdv_sm90_kernel(
     else:
         gl.warp_specialize(
             [
-                (_dkdv_consumer, (key_descs, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_at, outs, n0, N,
+                (_dkdv_consumer, (key_descs, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_at, outs, n0, N, n_k,
                                   first_query, sums_row, h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left,
                                   0, FUSED, DQ_LATE, READ_AHEAD, CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D,
                                   HEAD_D)),
-                (_dkdv_consumer, (key_descs, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_at, outs, n0, N,
+                (_dkdv_consumer, (key_descs, dq_sums, k_bufs, v_bufs, steps, kv_bar, kv_at, outs, n0, N, n_k,
                                   first_query, sums_row, h0 * D, n_steps, GROUP, qk_scale, softmax_scale, window_left,
                                   1, FUSED, DQ_LATE, READ_AHEAD, CAUSAL, LEFT, VARLEN, RAGGED, BLOCK_M, BLOCK_N, D,
                                   HEAD_D)),

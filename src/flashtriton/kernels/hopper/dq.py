@@ -4,6 +4,7 @@ Notation
   B, H, HKV    batch, query heads, key/value heads; GROUP = H // HKV query heads share a K/V head
   N            sequence length, of queries and keys alike (self-attention); VARLEN: the longest, sequence b being
                rows CU_SEQLENS[b]:CU_SEQLENS[b + 1] of the packed batch. RAGGED: some sequence ends inside a tile
+  N_K          the keys' length: N, or apart from it in a dense call without a mask (cross-attention)
   D            the tiles' width (64, 128, 256); HEAD_D <= D the tensors' head dim (primitives.py)
   BLOCK_M      query rows of one consumer warpgroup; a program has two
   BLOCK_N      keys per streamed K/V tile
@@ -62,10 +63,11 @@ def _dq_producer(k_desc, v_desc, kv_ring, kv, n_tiles, ROTATE: gl.constexpr, BLO
 
 
 @gluon.jit
-def _dq_step(dq, zero_s, q_smem, do_smem, kv_ring, j, first_row, rows, first_col, n, lse2, delta, qk_scale,
+def _dq_step(dq, zero_s, q_smem, do_smem, kv_ring, j, first_row, rows, first_col, n_k, lse2, delta, qk_scale,
              window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr, RAGGED: gl.constexpr,
              MASK: gl.constexpr):  # fmt: skip
-    """dQ += dS K for the key tile at ring position j (keys from first_col on). MASK: 0, the tile needs no mask; 1,
+    """dQ += dS K for the key tile at ring position j (keys from first_col on, of n_k). MASK: 0, the tile needs no
+    mask; 1,
     a causal band's may (a branch on whether it does); 2, it does (no branch: the stream's first tile, last_first)."""
     gl.static_assert(CAUSAL or not RAGGED or MASK != 1, "a ragged sequence without a band streams its last tile first")
     k, v = take(kv_ring, j)
@@ -81,7 +83,7 @@ def _dq_step(dq, zero_s, q_smem, do_smem, kv_ring, j, first_row, rows, first_col
             if outside_band(first_row, last_row, first_col, first_col + p.shape[1] - 1, window_left, LEFT):
                 p = band_tile(p, rows, first_col, window_left, 0.0, LEFT)
     elif RAGGED and MASK == 2:  # keys past the sequence (causal: the rows stored see none; it is the last tile)
-        p = keys_past(p, first_col, n, 0.0)
+        p = keys_past(p, first_col, n_k, 0.0)
     dp = warpgroup_mma_wait(0, deps=(dp, do_smem, v))[0]
     ds = gl.convert_layout((p * (dp - delta)).to(q_smem.dtype), operand_layout(dq.shape[1]))
     dq = warpgroup_mma(ds, k, dq, is_async=True)
@@ -92,12 +94,12 @@ def _dq_step(dq, zero_s, q_smem, do_smem, kv_ring, j, first_row, rows, first_col
 
 @gluon.jit
 def _dq_consumer(dq_out, q_smem, do_smem, kv_ring, q_bar, lse_ptr, rows_ptrs, o_ptr, dlse_ptr, stride_o, coord,
-                 first_row, n, key0, n_tiles, qk_scale, softmax_scale, window_left, CAUSAL: gl.constexpr,
+                 first_row, n, n_k, key0, n_tiles, qk_scale, softmax_scale, window_left, CAUSAL: gl.constexpr,
                  LEFT: gl.constexpr, VARLEN: gl.constexpr, RAGGED: gl.constexpr, ROTATE: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr):  # fmt: skip
-    """One warpgroup's BLOCK_M query rows (those below the sequence's n): first delta = rowsum(dO * O) - dLSE (the
-    portable path's preprocess kernel), stored for the dK/dV kernel with a copy of the LSE in its aligned rows
-    (rows_ptrs: (DELTA, LSE_ROWS) there), then for each streamed key tile S = Q K^T and
+    """One warpgroup's BLOCK_M query rows (those below the sequence's n; of the keys, those below n_k): first
+    delta = rowsum(dO * O) - dLSE (the portable path's preprocess kernel), stored for the dK/dV kernel with a copy of
+    the LSE in its aligned rows (rows_ptrs: (DELTA, LSE_ROWS) there), then for each streamed key tile S = Q K^T and
     dP = dO V^T (from shared memory), and dQ += dS K with dS from registers (ROTATE: in step_tile's order, whose
     first tile alone needs a mask: last_first). dq_out: ((dQ's descriptor,) or () for
     none, dQ, its strides), dQ written through the descriptor, or from registers where there is none (fp32 results)
@@ -128,14 +130,14 @@ def _dq_consumer(dq_out, q_smem, do_smem, kv_ring, q_bar, lse_ptr, rows_ptrs, o_
     gl.store(lse_rows_ptr + gl.arange(0, BLOCK_M, rows_s), lse, mask=room)
     delta = gl.expand_dims(delta, 1)
     if ROTATE:  # the last key tile first, masked; the loop then needs no mask
-        dq = _dq_step(dq, zero_s, q_smem, do_smem, kv_ring, 0, first_row, rows, key0 + (n_tiles - 1) * BLOCK_N, n,
+        dq = _dq_step(dq, zero_s, q_smem, do_smem, kv_ring, 0, first_row, rows, key0 + (n_tiles - 1) * BLOCK_N, n_k,
                       lse2, delta, qk_scale, window_left, CAUSAL, LEFT, RAGGED, 2)  # fmt: skip
         for j in range(1, n_tiles):
-            dq = _dq_step(dq, zero_s, q_smem, do_smem, kv_ring, j, first_row, rows, key0 + (j - 1) * BLOCK_N, n,
+            dq = _dq_step(dq, zero_s, q_smem, do_smem, kv_ring, j, first_row, rows, key0 + (j - 1) * BLOCK_N, n_k,
                           lse2, delta, qk_scale, window_left, CAUSAL, LEFT, RAGGED, 0)  # fmt: skip
     else:
         for j in range(n_tiles):
-            dq = _dq_step(dq, zero_s, q_smem, do_smem, kv_ring, j, first_row, rows, key0 + j * BLOCK_N, n, lse2,
+            dq = _dq_step(dq, zero_s, q_smem, do_smem, kv_ring, j, first_row, rows, key0 + j * BLOCK_N, n_k, lse2,
                           delta, qk_scale, window_left, CAUSAL, LEFT, RAGGED, 1)  # fmt: skip
 
     dq_store, DQ, dq_strides = dq_out
@@ -148,7 +150,7 @@ def _dq_consumer(dq_out, q_smem, do_smem, kv_ring, q_bar, lse_ptr, rows_ptrs, o_
 @gluon.jit
 def attention_backward_dq_sm90_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqb, stride_dqm, stride_dqh, LSE, DELTA, LSE_ROWS, O, DLSE,
-    stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_rb, stride_rh, N, H, GROUP, qk_scale,
+    stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_rb, stride_rh, N, N_K, H, GROUP, qk_scale,
     softmax_scale, window_left,
     CU_SEQLENS, CAUSAL: gl.constexpr, LEFT: gl.constexpr, VARLEN: gl.constexpr, RAGGED: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
@@ -166,6 +168,9 @@ def attention_backward_dq_sm90_kernel(
                                        flat_view(q_desc, k_desc, v_desc, do_desc, dq_desc), 2 * BLOCK_M)  # fmt: skip
     if m0 >= N:  # past the end of a shorter varlen sequence
         return
+    n_k = N_K
+    if VARLEN:
+        n_k = N
     q = [bc, seq0 + m0, h, 0]
 
     kv_ring = ring((tiles(k_desc, STAGES), tiles(v_desc, STAGES)), 2)
@@ -174,7 +179,7 @@ def attention_backward_dq_sm90_kernel(
     q_bufs = resident(q_desc, q_bar, q, 2)
     do_bufs = resident(do_desc, q_bar, q, 2)
 
-    key0, n_tiles = key_tiles(m0, 2 * BLOCK_M, N, window_left, CAUSAL, LEFT, BLOCK_N)
+    key0, n_tiles = key_tiles(m0, 2 * BLOCK_M, n_k, window_left, CAUSAL, LEFT, BLOCK_N)
     ROTATE: gl.constexpr = last_first(CAUSAL, LEFT, RAGGED, 2, BLOCK_M, BLOCK_N, True)  # two warpgroups
     row = b * stride_lb + h * stride_lh + lse0 + m0  # of LSE and DLSE
     out_row = b * stride_rb + h * stride_rh + rows_start(CU_SEQLENS, b, VARLEN) + m0  # of DELTA and LSE_ROWS
@@ -187,11 +192,12 @@ def attention_backward_dq_sm90_kernel(
         [
             (_dq_consumer, (dq_out, q_bufs.index(0), do_bufs.index(0), kv_ring, q_bar, LSE + row,
                             (DELTA + out_row, LSE_ROWS + out_row), o,
-                            DLSE + row, stride_om, q, m0, N, key0, n_tiles, qk_scale, softmax_scale, window_left,
+                            DLSE + row, stride_om, q, m0, N, n_k, key0, n_tiles, qk_scale, softmax_scale, window_left,
                             CAUSAL, LEFT, VARLEN, RAGGED, ROTATE, BLOCK_M, BLOCK_N, D, HEAD_D)),
             (_dq_consumer, (dq_out, q_bufs.index(1), do_bufs.index(1), kv_ring, q_bar, LSE + row + BLOCK_M,
                             (DELTA + out_row + BLOCK_M, LSE_ROWS + out_row + BLOCK_M), o + BLOCK_M * stride_om,
-                            DLSE + row + BLOCK_M, stride_om, at(q, BLOCK_M), m0 + BLOCK_M, N, key0, n_tiles, qk_scale,
+                            DLSE + row + BLOCK_M, stride_om, at(q, BLOCK_M), m0 + BLOCK_M, N, n_k, key0, n_tiles,
+                            qk_scale,
                             softmax_scale, window_left, CAUSAL, LEFT, VARLEN, RAGGED, ROTATE, BLOCK_M, BLOCK_N, D,
                             HEAD_D)),
             (_dq_producer, (k_desc, v_desc, kv_ring, [bc, seq0 + key0, h // GROUP, 0], n_tiles, ROTATE, BLOCK_N)),
