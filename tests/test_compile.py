@@ -56,6 +56,8 @@ def _case(name, device):
         ), dense
     if name == "dropout":
         return lambda q, k, v: ft.flash_attn_func(q, k, v, dropout_p=0.2), dense
+    if name == "dropout-probs":  # the probabilities, a constant of the loss, must come out of the graph the same
+        return lambda q, k, v: _with_probs(ft.flash_attn_func(q, k, v, dropout_p=0.2, return_attn_probs=True)), dense
     if name == "lse-loss":
         return lambda q, k, v: ft.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)[1], dense
     if name == "score_mod":
@@ -85,9 +87,14 @@ def _case(name, device):
     raise ValueError(name)
 
 
+def _with_probs(result):
+    out, _, probs = result
+    return out * probs.sum()
+
+
 FEATURES = [
-    "causal-gqa", "window-softcap-alibi", "dropout", "lse-loss", "score_mod", "mask_mod", "block_mask", "qkvpacked",
-    "kvpacked", "varlen", "varlen-qkvpacked", "varlen-kvpacked",
+    "causal-gqa", "window-softcap-alibi", "dropout", "dropout-probs", "lse-loss", "score_mod", "mask_mod",
+    "block_mask", "qkvpacked", "kvpacked", "varlen", "varlen-qkvpacked", "varlen-kvpacked",
 ]  # fmt: skip
 # The interpreter runs a kernel in seconds: one traced case per kernel feature family there.
 INTERPRETER_FEATURES = {"window-softcap-alibi", "score_mod", "varlen", "dropout"}
@@ -207,6 +214,25 @@ def test_one_schema_field_end_to_end(backend):
     assert (out[:, empty] == 0).all()
 
 
+def test_dropout_probabilities_trace_as_one_op():
+    """return_attn_probs' probabilities with dropout trace as their op, not as Philox's integer rounds, which inductor
+    fused into one expression that grew exponentially (a compile that did not end)."""
+    q, k, v = _inputs("cpu")
+    ops_seen = []
+
+    def record(graph, inputs):
+        ops_seen.extend(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
+        return graph.forward
+
+    call = torch.compile(lambda q, k, v: ft.flash_attn_func(q, k, v, dropout_p=0.2, return_attn_probs=True),
+                         fullgraph=True, backend=record)  # fmt: skip
+    torch._dynamo.reset()
+    out, _, probs = call(q, k, v)
+    assert any("dropped_probs" in name for name in ops_seen) and not any("xor" in name for name in ops_seen)
+    kept = torch.where(torch.signbit(probs), 0.0, probs) / 0.8  # the probabilities the output was made of
+    torch.testing.assert_close(torch.einsum("bhij,bjhd->bihd", kept, v.repeat_interleave(2, 2)), out.detach())
+
+
 def test_opcheck():
     """torch.library's own consistency checks of the fake, autograd and schema registrations."""
     q, k, v = (torch.randn(1, 9, 2, 16, requires_grad=True) for _ in range(3))
@@ -220,6 +246,8 @@ def test_opcheck():
     wide = AttentionParams(0.25, window_right=0, fp32_results=True)  # out (and the backward's dq, dk, dv) in fp32
     bf16 = [x.detach().to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
     torch.library.opcheck(torch.ops.flashtriton.attention_forward.default, (*bf16, *schema.to_schema(wide)))
+    inputs = [x.detach() for x in (q, k)]
+    torch.library.opcheck(torch.ops.flashtriton.dropped_probs.default, (*inputs, *schema.to_schema(dense)))
 
 
 @pytest.mark.parametrize("backend", [t for t in TARGETS if t.name != "cpu-interp"], ids=str, indirect=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +19,6 @@ from .block_mask import BlockMask, create_block_mask, mask_dims
 from .cache_args import KVCache
 from .mods import Mod, as_mod, check_differentiable
 from .params import AttentionParams
-from .reference import attention_reference
 from .validation import (
     HEAD_DIM_STEP,
     causal_window,
@@ -276,7 +274,7 @@ def _attention(q, k, v, params: AttentionParams, return_attn_probs: bool) -> _Re
         out = out[..., :head_dim]
     if not return_attn_probs:
         return out
-    return out, lse, _dropped_probs(q, k, params) if params.dropout_p > 0 else None
+    return out, lse, ops.dropped_probs(q, k, params) if params.dropout_p > 0 else None
 
 
 def _kernel_inputs(q, k, v, params: AttentionParams):
@@ -293,48 +291,6 @@ def _kernel_inputs(q, k, v, params: AttentionParams):
     if pad:
         q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
     return q, k, v, params
-
-
-@torch.no_grad()  # a returned tensor for inspection: no gradient reaches the inputs through it (nor a graph kept)
-def _dropped_probs(q, k, params: AttentionParams) -> torch.Tensor:
-    """The probabilities P (batch, nheads, seqlen_q, seqlen_k) in fp32, negated where dropout drops them, so that
-    torch.signbit(probs) is the drop mask exactly (a dropped P of 0 is -0.0).
-
-    Materialised through the reference (attention against V = identity returns P itself), with every option of the
-    call, block mask and score_mod included: for testing small inputs. Varlen sequences are zero-padded to
-    (max_seqlen_q, max_seqlen_k).
-    """
-    if not params.varlen:
-        batch, heads = torch.arange(q.shape[0], device=q.device), torch.arange(q.shape[2], device=q.device)
-        mask = None if params.block_mask is None else params.block_mask.element_mask(b=batch, h=heads)
-        return _signed_probs(q, k, params, params.alibi_slopes, mask, first_batch=0)
-    starts_q, starts_k = params.cu_seqlens_q.tolist(), params.cu_seqlens_k.tolist()
-    shape = (len(starts_q) - 1, q.shape[1], params.max_seqlen_q, params.max_seqlen_k)
-    probs = q.new_zeros(shape, dtype=torch.float32)
-    for b, ((q0, q1), (k0, k1)) in enumerate(zip(pairwise(starts_q), pairwise(starts_k), strict=True)):
-        slopes = None if params.alibi_slopes is None else params.alibi_slopes[b : b + 1]
-        probs[b, :, : q1 - q0, : k1 - k0] = _signed_probs(q[None, q0:q1], k[None, k0:k1], params, slopes, None, b)[0]
-    return probs
-
-
-def _signed_probs(q, k, params: AttentionParams, slopes, mask, first_batch: int) -> torch.Tensor:
-    """_dropped_probs of dense q (batch, n_q, nheads, headdim) against k, whose batch entries are first_batch, ..."""
-    batch, n_q, heads, _ = q.shape
-    n_k = k.shape[1]
-    eye = torch.eye(n_k, device=q.device)[None, :, None, :].expand(batch, n_k, k.shape[2], n_k)
-    probs, _ = attention_reference(
-        q, k, eye, params.softmax_scale, compute_dtype=torch.float32,
-        window_size=(params.window_left, params.window_right), softcap=params.softcap, alibi_slopes=slopes, mask=mask,
-        score_mod=params.score_mod, sinks=params.sinks,
-    )  # fmt: skip
-    probs = probs.transpose(1, 2)  # (batch, heads, n_q, n_k)
-    b = torch.arange(first_batch, first_batch + batch, device=q.device)[:, None, None]
-    i, j = (torch.arange(n, device=q.device) for n in (n_q, n_k))
-    signed = torch.empty(probs.shape, dtype=probs.dtype, device=probs.device)
-    for h in range(heads):  # a head at a time: Philox's words are int64 tensors as large as the mask, several at once
-        kept = dropout.keep(params.seed, b, h, i[:, None], j, params.dropout_p)
-        signed[:, h] = torch.where(kept, probs[:, h], -probs[:, h])
-    return signed
 
 
 def flash_attn_qkvpacked_func(

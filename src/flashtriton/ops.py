@@ -20,7 +20,7 @@ from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
-from . import route, schema, tables, torch_backend
+from . import reference, route, schema, tables, torch_backend
 from .params import AttentionParams, final_lse, keyless_lse, lse_shape, sinks_grad
 from .validation import check_cu_seqlens, host_read
 
@@ -122,6 +122,24 @@ attention_backward = torch.library.custom_op(
 attention_backward.register_fake(_backward_fake)
 
 
+def _probs_op(q, k, *fields):
+    return reference.dropped_probs(q, k, schema.from_schema(fields))
+
+
+def _probs_fake(q, k, *fields):
+    batch, n_q, n_k = route.lengths(q, k, schema.from_schema(fields))
+    return q.new_empty((batch, q.shape[-2], n_q, n_k), dtype=torch.float32)
+
+
+# return_attn_probs' probabilities with dropout: an opaque op for traced calls, whose compiler would otherwise fuse
+# Philox's ten rounds (dropout.philox) into one expression, which each round's reuse of the last grows exponentially
+probabilities = torch.library.custom_op(
+    "flashtriton::dropped_probs", _probs_op, mutates_args=(),
+    schema=f"(Tensor q, Tensor k, {schema.SIGNATURE}) -> Tensor",
+)  # fmt: skip
+probabilities.register_fake(_probs_fake)
+
+
 # FLOPs for torch.utils.flop_counter.FlopCounterMode, counted as it counts SDPA's (its fused kernels' ops): every
 # (query, key) pair of the call, those a causal mask, window or block mask hides included; per pair and query head,
 # 2 (d + dv) forward (Q K^T, P V) and 2 (3 d + 2 dv) backward (Q K^T again, dO V^T, P^T dO, dS K, dS^T Q), with the head
@@ -219,6 +237,14 @@ class _EagerAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
         return *_gradients(ctx, dout, dlse, lambda *tensors: backward(*tensors, ctx.params), _shared_zeros), None
+
+
+@torch.no_grad()  # a returned tensor for inspection: no gradient reaches the inputs through it (nor a graph kept)
+def dropped_probs(q: torch.Tensor, k: torch.Tensor, params: AttentionParams) -> torch.Tensor:
+    """reference.dropped_probs, through its custom op where something watches the call (watched)."""
+    if watched(q, k):
+        return probabilities(q, k, *schema.to_schema(params))
+    return reference.dropped_probs(q, k, params)
 
 
 def watched(*tensors: torch.Tensor) -> bool:
