@@ -180,6 +180,7 @@ def test_window_size_as_list_or_tensor(backend):
         torch.tensor([3, 1], dtype=torch.int32),
         tuple(torch.tensor([3, 1])),  # 0-d tensors
         (np.int64(3), np.int32(1)),
+        np.array([3, 1]),
     ]
     for pair in pairs:
         assert torch.equal(ft.flash_attn_func(q, k, v, window_size=pair), expected), pair
@@ -187,6 +188,19 @@ def test_window_size_as_list_or_tensor(backend):
     cu_q, cu_k = (torch.tensor([0, n, 2 * n], dtype=torch.int32, device=q.device) for n in (30, 40))
     varlen = ft.flash_attn_varlen_func(*packed, cu_q, cu_k, 30, 40, window_size=(3, 1))
     assert torch.equal(ft.flash_attn_varlen_func(*packed, cu_q, cu_k, 30, 40, window_size=torch.tensor([3, 1])), varlen)
+
+
+@pytest.mark.parametrize("backend", NOT_INTERPRETED, ids=str, indirect=True)
+def test_scalar_options_as_0d_tensors_or_arrays(backend):
+    """softmax_scale, softcap, dropout_p, causal and deterministic as 0-d tensors or numpy values (a custom op's float
+    and bool arguments take them, flash_attn's among them): the Python values' results."""
+    q, k, v = random_qkv(Shape(2, 30, 40, 2, 1, 32), torch.float16, backend.device, requires_grad=False)
+    expected = ft.flash_attn_func(q, k, v, softmax_scale=0.3, softcap=2.0, causal=True, deterministic=True)
+    scalars = dict(softmax_scale=torch.tensor(0.3), softcap=np.float64(2.0), causal=torch.tensor(True),
+                   deterministic=np.array(True), dropout_p=torch.tensor(0.0))  # fmt: skip
+    assert torch.equal(ft.flash_attn_func(q, k, v, **scalars), expected)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        ft.flash_attn_func(q, k, v, causal=torch.tensor(2))
 
 
 @pytest.mark.parametrize("backend", NOT_INTERPRETED, ids=str, indirect=True)

@@ -86,11 +86,22 @@ def check_head_dim(head_dim: int) -> None:
         )
 
 
+def _host_scalar(x):
+    """A 0-d tensor or numpy array as its Python value, read on the host (as a custom op's float, int or bool argument
+    takes one, flash_attn's among them); anything else as is."""
+    if isinstance(x, torch.Tensor) and x.dim() == 0:
+        return x.item()
+    if type(x).__module__ == "numpy" and getattr(x, "ndim", None) == 0:
+        return x.item()
+    return x
+
+
 def resolve_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
     """softmax_scale: any finite real, 0 and negative ones included (as flash_attn); None: 1 / sqrt(head_dim), of
     the head dim the caller passed (not a padded one)."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
+    softmax_scale = _host_scalar(softmax_scale)
     if not _is_real(softmax_scale):
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
     if not abs(softmax_scale) < math.inf:  # not math.isfinite, which a traced (symbolic) float cannot pass through
@@ -118,17 +129,18 @@ def _is_real(x: object) -> bool:
 
 
 def _host_values(window_size):
-    """A tensor's entries (or a tuple's 0-d tensors) as Python scalars, read on the host once; anything else as is."""
-    if isinstance(window_size, torch.Tensor):
-        return window_size.tolist() if window_size.dim() == 1 else window_size
+    """A tensor's or numpy array's entries (or a tuple's 0-d ones) as Python scalars, read on the host once; anything
+    else as is."""
+    if isinstance(window_size, torch.Tensor) or type(window_size).__module__ == "numpy":
+        return window_size.tolist() if window_size.ndim == 1 else window_size
     if isinstance(window_size, (tuple, list)):
-        return [w.tolist() if isinstance(w, torch.Tensor) and w.dim() == 0 else w for w in window_size]
+        return [_host_scalar(w) for w in window_size]
     return window_size
 
 
 def check_window(window_size) -> tuple[int, int]:
     """window_size: (left, right), each an int >= 0, or -1 for no bound on that side; a tuple, a list or a 1-D
-    integer tensor (as flash_attn's tests pass). Returns it as Python ints."""
+    integer tensor or numpy array (as flash_attn's tests pass). Returns it as Python ints."""
     values = _host_values(window_size)
     if not (isinstance(values, (tuple, list)) and len(values) == 2 and all(map(_is_int, values))):
         raise TypeError(
@@ -142,8 +154,11 @@ def check_window(window_size) -> tuple[int, int]:
 
 
 def check_flag(name: str, value) -> bool:
-    """A bool option: a bool (numpy's too), or an int 0 or 1; anything else, such as the string "False" (true as a
-    condition), is refused."""
+    """A bool option: a bool (numpy's too, or a 0-d tensor), or an int 0 or 1; anything else, such as the string
+    "False" (true as a condition), is refused."""
+    if type(value) is bool:
+        return value
+    value = _host_scalar(value)
     if type(value) is bool:
         return value
     numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
@@ -160,6 +175,7 @@ def causal_window(window: tuple[int, int], causal: bool) -> tuple[int, int]:
 
 def check_dropout(dropout_p) -> float:
     """dropout_p: a probability in [0, 1). Returns it as a float."""
+    dropout_p = _host_scalar(dropout_p)
     if not _is_real(dropout_p):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
@@ -171,6 +187,7 @@ def check_softcap(softcap, softmax_scale: float) -> float:
     """softcap: a finite float >= 0 (0 disables it). softmax_scale / softcap, which the kernels' tanh takes in fp32
     times 2 log2(e), must stay in fp32's range too (an overflow to inf would make a zero score NaN). Returns softcap
     as a float."""
+    softcap = _host_scalar(softcap)
     if not _is_real(softcap):
         raise TypeError(f"softcap must be a float (0.0 disables it), got {type(softcap).__name__}")
     if not (abs(softcap) < math.inf and softcap >= 0.0):  # NaN fails both; abs() traces, math.isfinite does not
