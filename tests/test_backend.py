@@ -83,8 +83,9 @@ def test_dkdv_steps_read_whole_lse_rows():
 
 
 def test_hopper_scope():
-    """The Gluon kernels take plain dense, causal or causal sliding-window self-attention of any length; the portable
-    kernels run the rest (the kernels' results are tested against the reference in test_attention)."""
+    """The Gluon kernels take plain dense, causal or causal sliding-window self-attention of any length, and dense
+    cross-attention without a mask; the portable kernels run the rest (the kernels' results are tested against the
+    reference in test_attention)."""
     q = torch.zeros(2, 256, 4, 64, dtype=torch.bfloat16)
     kv = torch.zeros(2, 256, 2, 64, dtype=torch.bfloat16)
 
@@ -96,7 +97,9 @@ def test_hopper_scope():
     assert fits(window_left=8, window_right=0)  # causal sliding window
     assert not fits(window_right=4) and not fits(window_left=8, window_right=4) and not fits(window_left=8)
     assert fits(q=q[:, :191], k=kv[:, :191])  # a sequence that ends inside a tile
-    assert not fits(k=kv[:, :128])  # cross-attention
+    assert fits(k=kv[:, :128]) and fits(q=q[:, :77])  # cross-attention, no mask
+    # masks aligned bottom-right between two lengths, and a ring step's fp32 partial results, stay portable
+    assert not fits(k=kv[:, :128], window_right=0) and not fits(k=kv[:, :128], fp32_results=True)
     assert fits(q=q[..., :48], k=kv[..., :48])  # a head dim between widths: 64-wide tiles
     assert not fits(q=q[..., :44], k=kv[..., :44])  # 88-byte rows: TMA reads 16-byte multiples
     config = triton_backend.config

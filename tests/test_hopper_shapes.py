@@ -78,6 +78,10 @@ def test_flat_views_where_batches_follow_in_whole_tiles(layout, n, causal, flat)
     # one tensor whose batches do not follow one another (a slice of longer sequences) keeps the whole call rank-4
     sliced = torch.empty(2, 2 * n, 4, 128, dtype=q.dtype)[:, :n]
     assert not triton_backend._flat(common, q, k, v, sliced)
+    # so do keys of another length (cross-attention), even with batches N rows apart: the flat view's rows end at
+    # B * their length, before the last batch's
+    keys = torch.empty(2, n, 4, 128, dtype=q.dtype)[:, : n // 2]
+    assert not triton_backend._flat(common, q, keys, keys, torch.empty_like(q))
 
 
 @pytest.mark.parametrize("head_dim,width", [(32, None), (40, 64), (80, 128), (96, 128), (136, 256), (192, 256)])
@@ -186,7 +190,10 @@ def test_gluon_kernels_on_users_shapes(n, head_dim, mode, layout, deterministic,
 
 # keys of another length than the queries (cross-attention, no mask): lengths that end inside tiles on either side, a
 # single query or key, GQA; the fused backward from long spans, the pair below them and deterministic
-CROSS = [(1000, 4096, 128), (4096, 1000, 128), (300, 2047, 64), (2048, 77, 256), (1, 513, 128), (513, 1, 64)]
+CROSS = [
+    (1000, 4096, 128), (4096, 1000, 128), (300, 2047, 64), (2048, 77, 256), (1, 513, 128), (513, 1, 64),
+    (1024, 4096, 128), (2048, 1024, 64),  # whole tiles on both sides: no masks, rank-4 views
+]  # fmt: skip
 
 
 def test_cross_attention_takes_the_gluon_kernels():
@@ -197,7 +204,9 @@ def test_cross_attention_takes_the_gluon_kernels():
     assert (backward.family, backward.dq) == (route.HOPPER, route.FUSED)
     deterministic = AttentionParams(128**-0.5, deterministic=True)
     assert route.backward(q, None, q, k, k, q, None, deterministic, gpu="sm90").dq == route.PAIR
-    # a mask aligned bottom-right between two lengths stays on the portable kernels
+    # a mask aligned bottom-right between two lengths, and a ring step's fp32 partial results, stay portable
+    ring_step = AttentionParams(128**-0.5, fp32_results=True)
+    assert route.forward(q, k, k, ring_step, gpu="sm90").family == route.PORTABLE
     causal = AttentionParams(128**-0.5, window_right=0)
     assert route.forward(q, k, k, causal, gpu="sm90").family == route.PORTABLE
     assert route.backward(q, None, q, k, k, q, None, causal, gpu="sm90").family == route.PORTABLE

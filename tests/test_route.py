@@ -77,6 +77,9 @@ def table() -> str:
         for name, lengths in (("whole tiles", [n // 2, n // 4, n // 4]), ("ragged", [n // 2 - 3, n // 4 + 3, n // 4])):
             q, params = _varlen(lengths, head_dim, window_right=0)
             rows.append(_row(f"d{head_dim} causal varlen {name} {n}", "sm90", q, q, q, params))
+        for name, n_q, n_k in (("q shorter", n // 2, n), ("q longer", n, n // 2 - 3)):  # no mask
+            q, k, v = _tensors(2, n_q, n_k, head_dim, torch.bfloat16)
+            rows.append(_row(f"d{head_dim} cross {name} {n}", "sm90", q, k, v, AttentionParams(head_dim**-0.5)))
     # flash_attn_with_kvcache's decode kernels: one token per sequence, 32 query heads, splits for an H100's 132 SMs
     for gpu, (batch, heads_k, capacity, head_dim) in itertools.product(
         ("sm90", "cuda"),

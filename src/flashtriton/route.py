@@ -7,8 +7,9 @@ family's launchers. The families:
   torch     the PyTorch tiled path (torch_backend.py): CPU tensors, fp32, FLASHTRITON_BACKEND=torch
   portable  the Triton kernels of kernels/forward.py and kernels/backward.py: every feature, every GPU, the interpreter
   hopper    the Gluon kernels of kernels/hopper (sm90): plain dense, causal or causal sliding-window self-attention
-            of any length, sinks or not, in any layout TMA reads (strides of 16-byte multiples, the last 1); the
-            backward either fused (dK/dV adding dQ up in fp32) or as a pair (dQ, then dK/dV: a fixed summation order)
+            of any length, and dense cross-attention without a mask, sinks or not, in any layout TMA reads (strides
+            of 16-byte multiples, the last 1); the backward either fused (dK/dV adding dQ up in fp32) or as a pair
+            (dQ, then dK/dV: a fixed summation order)
   decode    flash_attn_with_kvcache's split-KV kernels of kernels/decode.py (route.decode, at the end of this file)
 
 Backend (environment variable FLASHTRITON_BACKEND, read at each call):
@@ -188,7 +189,8 @@ def hopper_fits(p: AttentionParams, *tensors: torch.Tensor) -> bool:
     v and any more, (B, N, H, D) or varlen)."""
     q = tensors[0]
     n = q.shape[-3]
-    keys_apart = not p.varlen and not p.windowed
+    # (not yet a ring step's fp32 partial results: that path has not run on a GPU with two lengths)
+    keys_apart = not p.varlen and not p.windowed and not p.fp32_results
     return (
         p.plain
         and not p.sparse

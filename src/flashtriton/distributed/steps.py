@@ -12,7 +12,8 @@ mask and the zigzag layout (layout.py: rank r holds chunks r and 2 * world - 1 -
              shard; the first half (chunk r, before both) sees nothing
 
 so every step but the first is unmasked work of c * 2c (half the dense work), and each rank does the same; it runs
-as two square c * c calls (pieces), which the Hopper kernels serve (they take seqlen_q == seqlen_k).
+as two square c * c calls (pieces), which the Hopper kernels serve (their fp32 partial results only where
+seqlen_q == seqlen_k: route.hopper_fits).
 Contiguous layout: src == r causal, src < r unmasked, src > r nothing. Without a mask every step is unmasked.
 A rank's plan is, per source rank, a tuple of such calls (Steps): none when the step computes nothing.
 

@@ -16,8 +16,9 @@ three kinds of partition (config.py's HOPPER_* constants give their warps and re
 
 Scope (triton_backend dispatches everything else to the portable kernels): bf16/fp16, head dims 33 to 256
 (config.hopper_width), no softcap / ALiBi / dropout / block mask / score_mod; no mask, causal, or a causal sliding
-window; self-attention (seqlen_q == seqlen_k, or the same cu_seqlens) of any length (a sequence that ends inside a tile
-sets RAGGED: keys and rows past its end masked); layouts TMA reads (primitives.py); a Triton
+window; self-attention (seqlen_q == seqlen_k, or the same cu_seqlens) of any length, and dense attention without a mask
+whose keys are of another length (N_K; a sequence that ends inside a tile sets RAGGED: keys and rows past its end
+masked); layouts TMA reads (primitives.py); a Triton
 whose private API triton_compat.PRIVATE_API_OK accepts.
 """
 
