@@ -201,6 +201,8 @@ def test_scalar_options_as_0d_tensors_or_arrays(backend):
     assert torch.equal(ft.flash_attn_func(q, k, v, **scalars), expected)
     with pytest.raises(TypeError, match="causal must be a bool"):
         ft.flash_attn_func(q, k, v, causal=torch.tensor(2))
+    with pytest.raises(TypeError, match="softmax_scale is a tensor that requires grad"):
+        ft.flash_attn_func(q, k, v, softmax_scale=torch.tensor(0.3, requires_grad=True))
 
 
 @pytest.mark.parametrize("backend", NOT_INTERPRETED, ids=str, indirect=True)

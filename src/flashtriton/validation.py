@@ -86,10 +86,14 @@ def check_head_dim(head_dim: int) -> None:
         )
 
 
-def _host_scalar(x):
+def _host_scalar(name: str, x):
     """A 0-d tensor or numpy array as its Python value, read on the host (as a custom op's float, int or bool argument
-    takes one, flash_attn's among them); anything else as is."""
+    takes one, flash_attn's among them; a CUDA tensor's read waits for the GPU); anything else as is. A tensor that
+    requires grad is refused: no gradient would reach it."""
     if isinstance(x, torch.Tensor) and x.dim() == 0:
+        if x.requires_grad:
+            raise TypeError(f"{name} is a tensor that requires grad, which the option's value cannot pass on: pass a "
+                            f"Python number ({name}.item()) or a tensor without grad")  # fmt: skip
         return x.item()
     if type(x).__module__ == "numpy" and getattr(x, "ndim", None) == 0:
         return x.item()
@@ -101,7 +105,7 @@ def resolve_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
     the head dim the caller passed (not a padded one)."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    softmax_scale = _host_scalar(softmax_scale)
+    softmax_scale = _host_scalar("softmax_scale", softmax_scale)
     if not _is_real(softmax_scale):
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
     if not abs(softmax_scale) < math.inf:  # not math.isfinite, which a traced (symbolic) float cannot pass through
@@ -134,7 +138,7 @@ def _host_values(window_size):
     if isinstance(window_size, torch.Tensor) or type(window_size).__module__ == "numpy":
         return window_size.tolist() if window_size.ndim == 1 else window_size
     if isinstance(window_size, (tuple, list)):
-        return [_host_scalar(w) for w in window_size]
+        return [_host_scalar("window_size", w) for w in window_size]
     return window_size
 
 
@@ -158,7 +162,7 @@ def check_flag(name: str, value) -> bool:
     "False" (true as a condition), is refused."""
     if type(value) is bool:
         return value
-    value = _host_scalar(value)
+    value = _host_scalar(name, value)
     if type(value) is bool:
         return value
     numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
@@ -175,7 +179,7 @@ def causal_window(window: tuple[int, int], causal: bool) -> tuple[int, int]:
 
 def check_dropout(dropout_p) -> float:
     """dropout_p: a probability in [0, 1). Returns it as a float."""
-    dropout_p = _host_scalar(dropout_p)
+    dropout_p = _host_scalar("dropout_p", dropout_p)
     if not _is_real(dropout_p):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
@@ -187,7 +191,7 @@ def check_softcap(softcap, softmax_scale: float) -> float:
     """softcap: a finite float >= 0 (0 disables it). softmax_scale / softcap, which the kernels' tanh takes in fp32
     times 2 log2(e), must stay in fp32's range too (an overflow to inf would make a zero score NaN). Returns softcap
     as a float."""
-    softcap = _host_scalar(softcap)
+    softcap = _host_scalar("softcap", softcap)
     if not _is_real(softcap):
         raise TypeError(f"softcap must be a float (0.0 disables it), got {type(softcap).__name__}")
     if not (abs(softcap) < math.inf and softcap >= 0.0):  # NaN fails both; abs() traces, math.isfinite does not
