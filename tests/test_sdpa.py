@@ -65,10 +65,27 @@ def test_dropout_backward_drops_what_the_forward_dropped(cpu_kernels):
         q, k, v = _bhnd(*random_qkv(shape, torch.float32, "cpu"))
         out, _, _, _, _, _, seed, _, _ = FLASH(q, k, v, 0.25, True)
         grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-        results.append((out, seed, *grads, torch.rand(1)))
-    assert results[0][1].numel() == 1 and results[0][1].dtype == torch.int64
+        results.append((out, seed.view(torch.int64), *grads, torch.rand(1)))
+    assert results[0][1][0] != 0  # the key, in the first of rng_state's two words
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_flash_op_outputs_are_laid_out_as_its_meta_function_says(cpu_kernels, layout, dropout_p):
+    """torch.compile checks a kernel's outputs against the op's meta function: out in the query's layout (whichever
+    storage it views), rng_state and the offset in their shapes and dtypes."""
+    shape = (2, 3, 40, 16)
+    if layout == "bhnd":
+        q, k, v = (torch.randn(shape) for _ in range(3))
+    else:  # a model's (B, N, H, D) projections viewed as (B, H, N, D)
+        q, k, v = (torch.randn(2, 40, 3, 16).transpose(1, 2) for _ in range(3))
+    ours = FLASH(q, k, v, dropout_p, True)
+    meta = FLASH(*(x.to("meta") for x in (q, k, v)), dropout_p, True)
+    for index in (0, 1, 6, 7):  # out, LSE, rng_state, offset
+        assert (ours[index].shape, ours[index].dtype) == (meta[index].shape, meta[index].dtype), index
+    assert ours[0].stride() == meta[0].stride() == q.stride()
 
 
 def test_bad_calls_say_what_to_do(cpu_kernels):

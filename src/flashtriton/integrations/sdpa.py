@@ -11,9 +11,12 @@ kernels, and every other call falls back where it went before: cuDNN, memory-eff
 CPU calls (their flash kernel is another op). deactivate() restores torch's own FlashAttention kernels.
 
 The translation: SDPA's (batch, nheads, seqlen, headdim) tensors are read as (batch, seqlen, nheads, headdim) views,
-without copies; the LSE is flashtriton's (batch, nheads, seqlen_q) fp32; dropout's Philox key travels in the
-rng_state slot as the CPU int64 tensor flashtriton draws, so the backward drops the same entries. GQA (enable_gqa)
-passes K/V with fewer heads, which the kernels take as they are.
+without copies; the output comes back in the query's layout, as the op's meta function (which torch.compile checks)
+lays it out: where the query's storage is (batch, seqlen, nheads, headdim), as a model's projections leave it, that
+is the kernels' own, and otherwise (a contiguous (batch, nheads, seqlen, headdim) query) a copy. The LSE is
+flashtriton's (batch, nheads, seqlen_q) fp32; dropout's Philox key travels in the rng_state slot (two uint64 words, as
+the meta function's, the key in the first), so the backward drops the same entries. GQA (enable_gqa) passes K/V with
+fewer heads, which the kernels take as they are.
 """
 
 from __future__ import annotations
@@ -111,14 +114,21 @@ def _forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mas
         raise NotImplementedError("flashtriton's SDPA backend returns no debug attention mask: call deactivate()")
     q, k, v, params = _prepared(query, key, value, dropout_p, is_causal, scale)
     out, lse = ops.forward(q, k, v, params)
+    out = out.transpose(1, 2)
+    if out.stride() != query.stride():
+        out = torch.empty_like(query).copy_(out)
     empty = query.new_empty(0)
-    seed = params.dropout_seed if params.dropout_seed is not None else empty
-    return out.transpose(1, 2), lse, empty, empty, query.shape[-2], key.shape[-2], seed, empty, empty
+    rng_state = torch.zeros(2, dtype=torch.uint64)
+    if params.dropout_seed is not None:
+        rng_state.view(torch.int64)[:1] = params.dropout_seed
+    offset = torch.zeros((), dtype=torch.uint64)
+    return out, lse, empty, empty, query.shape[-2], key.shape[-2], rng_state, offset, empty
 
 
 def _backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
               philox_seed, philox_offset, *, scale=None):  # fmt: skip
-    q, k, v, params = _prepared(query, key, value, dropout_p, is_causal, scale, philox_seed if dropout_p > 0 else None)
+    seed = philox_seed.view(torch.int64)[:1] if dropout_p > 0 else None  # the forward's key (_forward)
+    q, k, v, params = _prepared(query, key, value, dropout_p, is_causal, scale, seed)
     dout, o = _bnhd(grad_out, out)
     dq, dk, dv, _ = ops.backward(dout, ops._shared_zeros(logsumexp), q, k, v, o, logsumexp, params)
     # _kernel_inputs folded a negative scale's sign into q, or made q zero for a zero scale: the chain rule through it
