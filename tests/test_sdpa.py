@@ -72,20 +72,23 @@ def test_dropout_backward_drops_what_the_forward_dropped(cpu_kernels):
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])
-@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd", "packed"])
 def test_flash_op_outputs_are_laid_out_as_its_meta_function_says(cpu_kernels, layout, dropout_p):
     """torch.compile checks a kernel's outputs against the op's meta function: out in the query's layout (whichever
     storage it views), rng_state and the offset in their shapes and dtypes."""
     shape = (2, 3, 40, 16)
     if layout == "bhnd":
         q, k, v = (torch.randn(shape) for _ in range(3))
-    else:  # a model's (B, N, H, D) projections viewed as (B, H, N, D)
+    elif layout == "bnhd":  # a model's (B, N, H, D) projections viewed as (B, H, N, D)
         q, k, v = (torch.randn(2, 40, 3, 16).transpose(1, 2) for _ in range(3))
+    else:  # views into one packed (B, N, 3, H, D) projection: not dense
+        q, k, v = torch.randn(2, 40, 3, 3, 16).unbind(2)
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     ours = FLASH(q, k, v, dropout_p, True)
-    meta = FLASH(*(x.to("meta") for x in (q, k, v)), dropout_p, True)
+    meta = FLASH(*(torch.empty_strided(x.shape, x.stride(), device="meta") for x in (q, k, v)), dropout_p, True)
     for index in (0, 1, 6, 7):  # out, LSE, rng_state, offset
         assert (ours[index].shape, ours[index].dtype) == (meta[index].shape, meta[index].dtype), index
-    assert ours[0].stride() == meta[0].stride() == q.stride()
+    assert ours[0].stride() == meta[0].stride() == torch.empty_like(q).stride()
 
 
 def test_bad_calls_say_what_to_do(cpu_kernels):

@@ -115,8 +115,10 @@ def _forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mas
     q, k, v, params = _prepared(query, key, value, dropout_p, is_causal, scale)
     out, lse = ops.forward(q, k, v, params)
     out = out.transpose(1, 2)
-    if out.stride() != query.stride():
-        out = torch.empty_like(query).copy_(out)
+    if out.stride() != query.stride():  # the meta function's out is torch.empty_like(query): dense, in its order
+        like = torch.empty_like(query)
+        if like.stride() != out.stride():
+            out = like.copy_(out)
     empty = query.new_empty(0)
     rng_state = torch.zeros(2, dtype=torch.uint64)
     if params.dropout_seed is not None:
