@@ -202,6 +202,9 @@ def _refusals(world: int, device: torch.device) -> dict[str, str]:
     }
     outside = dist.new_group([1])  # made by every rank; rank 0, whose refusals are saved, is not in it
     calls["not_a_member"] = lambda: ring_flash_attn_func(q, q, q, group=outside)
+    calls["shard_not_a_member"] = lambda: shard(q, group=outside)
+    calls["unshard_not_a_member"] = lambda: unshard(q, group=outside)
+    calls["shard_varlen_not_a_member"] = lambda: shard_varlen(q[0], torch.tensor([0, q.shape[1]]), group=outside)
     if world == 4:  # a ring of ranks at different places in their Ulysses groups: 0 (first of 0, 1), 3 (second of 2, 3)
         crossed = {"group": _GROUPS[(world, "crossed")], "ulysses_group": _GROUPS[(world, 2)]["ulysses_group"]}
         calls["two_d_crossed"] = lambda: ring_flash_attn_func(q, q, q, **crossed)

@@ -53,6 +53,9 @@ def test_split_and_join_are_inverse(world, layout):
     shards = L.split_varlen(packed, cu, world, layout)
     assert all(s.shape[0] == sum(lengths) // world for s in shards)
     assert torch.equal(L.join_varlen(shards, cu, layout), packed)
+    none = torch.zeros(1, dtype=torch.int32)  # a batch of no documents: empty shards
+    shards = L.split_varlen(packed[:0], none, world, layout)
+    assert [s.shape for s in shards] == [(0, 3)] * world and L.join_varlen(shards, none, layout).shape == (0, 3)
 
 
 def test_a_length_the_layout_cannot_split_says_how_to_pad():
@@ -386,7 +389,8 @@ def test_groups_match_the_reference(world, backend, tmp_path):
     assert refusals["two_d_heads"].startswith("ValueError") and "multiples of 2" in refusals["two_d_heads"]
     assert refusals["two_d_no_ring"].startswith("ValueError") and "pass group=" in refusals["two_d_no_ring"]
     assert refusals["two_d_same_groups"].startswith("ValueError") and "no other" in refusals["two_d_same_groups"]
-    assert refusals["not_a_member"].startswith("ValueError") and "a group this rank is in" in refusals["not_a_member"]
+    for name in ("not_a_member", "shard_not_a_member", "unshard_not_a_member", "shard_varlen_not_a_member"):
+        assert refusals[name].startswith("ValueError") and "a group this rank is in" in refusals[name], name
     if backend == "gloo":
         assert saved["empty_window"] == (1, 0, 2, 16)
     if world == 4:

@@ -14,7 +14,7 @@ from ..validation import (
     host_read,
     resolve_softmax_scale,
 )
-from .layout import check_divisible, check_layout, document_lengths
+from .layout import check_divisible, check_layout, document_lengths, world_and_rank
 
 
 def check_group(group: dist.ProcessGroup | None, q: torch.Tensor) -> None:
@@ -23,8 +23,7 @@ def check_group(group: dist.ProcessGroup | None, q: torch.Tensor) -> None:
         if group is not None:
             raise ValueError("a group was given but torch.distributed is not initialised: call init_process_group")
         return
-    if dist.get_rank(group) < 0:  # before get_backend, which refuses such a group in torch's own words
-        raise ValueError(f"rank {dist.get_rank()} is not in the group it passed: call with a group this rank is in")
+    world_and_rank(group)  # refuses a rank outside the group before get_backend does, in torch's own words
     if dist.get_backend(group) == "nccl" and q.device.type != "cuda":
         raise ValueError(f"the group's backend is NCCL, which moves CUDA tensors; q is on {q.device}: use a gloo group")
 

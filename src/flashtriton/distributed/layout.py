@@ -51,10 +51,14 @@ def check_divisible(length: int, world: int, layout: str, what: str) -> None:
 
 
 def world_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """(size, this process's rank) of the group; (1, 0) without a process group (torch.distributed not started)."""
+    """(size, this process's rank) of the group; (1, 0) without a process group (torch.distributed not started). A
+    rank outside the group is refused (torch numbers it -1)."""
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"rank {dist.get_rank()} is not in the group it passed: call with a group this rank is in")
+    return dist.get_world_size(group), rank
 
 
 _TWO_D_CHECKED: set[tuple[str, str]] = set()  # (ring group, Ulysses group) names found consistent on every rank
@@ -109,7 +113,7 @@ def join(shards: list[torch.Tensor], layout: str = ZIGZAG, dim: int = 1) -> torc
 def split_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, world: int, layout: str = ZIGZAG) -> list[torch.Tensor]:
     """Every rank's shard of a packed batch x (total, ...): each document split as ``split`` splits a sequence."""
     per_doc = [split(doc, world, layout, dim=0) for doc in _documents(x, cu_seqlens, world, layout)]
-    return [_cat([doc[r] for doc in per_doc], 0) for r in range(world)]
+    return [_cat([doc[r] for doc in per_doc], 0) if per_doc else x[:0] for r in range(world)]  # (no documents)
 
 
 def join_varlen(shards: list[torch.Tensor], cu_seqlens: torch.Tensor, layout: str = ZIGZAG) -> torch.Tensor:
@@ -118,6 +122,8 @@ def join_varlen(shards: list[torch.Tensor], cu_seqlens: torch.Tensor, layout: st
     lengths = document_lengths(cu_seqlens, world, layout)
     local = [n // world for n in lengths]
     per_rank = [x.split(local, 0) for x in shards]
+    if not lengths:  # no documents
+        return shards[0][:0]
     return torch.cat([join([parts[d] for parts in per_rank], layout, dim=0) for d in range(len(lengths))], 0)
 
 
