@@ -256,14 +256,13 @@ def _pass(k_ring, v_ring, it, n, turns):
 def _attend(q_smem, q_ring, k_ring, v_ring, q_at, it, first_row, key0, n_tiles, n_k, qk_scale, window_left, turns,
             CAUSAL: gl.constexpr, LEFT: gl.constexpr, RAGGED: gl.constexpr, ROTATE: gl.constexpr,
             BLOCK_N: gl.constexpr, D: gl.constexpr, TREE: gl.constexpr):  # fmt: skip
-    """One warpgroup's query rows (Q in q_smem, position q_at of q_ring) against n_tiles (K, V) tiles from
-    position it of their rings on, in the order of step_tile, keys past n_k masked: (O unnormalised, row max, row
-    sum). Step j's
-    S = Q K_j^T is issued together with step j-1's O += P V_{j-1}, and the softmax of S_j comes between the waits
-    for the two (which ptxas moves to before the exps). K_j goes back once S_j is done, V_j once P V_j is, and Q
-    once every S is, before the last P V. With turns (_await_turn), the first S and each step's S and P V are
-    issued in the warpgroup's turn, so that the warpgroups' softmaxes run beside each other's MMAs
-    (FlashAttention-3's ping-pong); the last P V, as there, in none."""
+    """One warpgroup's query rows (Q in q_smem, position q_at of q_ring) against n_tiles (K, V) tiles from position it
+    of their rings on, in the order of step_tile, keys past n_k masked: (O unnormalised, row max, row sum).
+    Step j's S = Q K_j^T is issued together with step j-1's O += P V_{j-1}, and the softmax of S_j comes between the
+    waits for the two (which ptxas moves to before the exps). K_j goes back once S_j is done, V_j once P V_j is, and Q
+    once every S is, before the last P V. With turns (_await_turn), the first S and each step's S and P V are issued
+    in the warpgroup's turn, so that the warpgroups' softmaxes run beside each other's MMAs (FlashAttention-3's
+    ping-pong); the last P V, as there, in none."""
     BLOCK_M: gl.constexpr = q_smem.shape[0]
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(D)
