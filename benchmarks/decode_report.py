@@ -93,7 +93,8 @@ def plot(payload: dict, path: Path) -> None:
 
     cases = _cases(payload)
     batches = sorted({k[2] for k in cases})
-    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3.6), sharey=True)
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3.6), sharey=True, squeeze=False)
+    axes = axes[0]  # one row, however many batches
     for ax, b in zip(axes, batches, strict=True):
         lengths = sorted({k[3] for k in cases if k[2] == b and (128, 1, b, k[3], 0) in cases})
         lines = [(OURS, 0, "flashtriton"), (OURS, 16, "flashtriton, pages of 16")]

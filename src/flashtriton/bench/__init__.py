@@ -1,6 +1,6 @@
 """``flashtriton bench``: flashtriton against its peers, every provider in the same run.
 
-Three suites (--suite). paper, the default: the FlashAttention-2 paper's sweep (batch * seqlen = 16k tokens, heads *
+Four suites (--suite). paper, the default: the FlashAttention-2 paper's sweep (batch * seqlen = 16k tokens, heads *
 head_dim = 2048), fwd / bwd / fwd+bwd against SDPA's backends, FlexAttention, standard attention and flash_attn.
 users: what users bring (bench/users.py lists it): a model's (B, H, N, D) storage seen as (B, N, H, D) beside
 contiguous inputs, lengths ending inside a tile beside their whole-tile neighbours, ragged documents (varlen against
@@ -10,7 +10,8 @@ of them FlexAttention's compiles: --part 1/2, then --part 2/2 --resume, splits i
 group. decode: flash_attn_with_kvcache reading a whole KV cache (bench/decode.py lists the cases: B 1-64, L 1k-128k,
 GQA 32/8, D 128 and 64, seqlen_q 1 and 4 causal, contiguous and paged caches) against cuDNN SDPA, SDPA's
 FlashAttention-2 and FlexAttention on dense copies: bandwidth (bytes of K and V / device time), device and host time
-per call; on a GPU 138 cases in --part 1/5 to 5/5 (with --resume), on a CPU a tiny case per layout.
+per call; on a GPU 138 cases in --part 1/5 to 5/5 (with --resume), on a CPU a tiny case per layout. ring: context
+parallelism across the GPUs of one host, one process per GPU under torchrun (bench/ring.py).
 
 FLOPs (one formula, the FlashAttention-2 paper's): forward 4 * B * H * N_Q * N_K * D, halved when causal;
 backward 2.5x the forward, so forward+backward 3.5x. Each case runs on random inputs in rounds, the
