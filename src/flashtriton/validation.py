@@ -162,11 +162,8 @@ def check_flag(name: str, value) -> bool:
     "False" (true as a condition), is refused."""
     if type(value) is bool:
         return value
-    value = _host_scalar(name, value)
-    if type(value) is bool:
-        return value
-    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
-    if numpy_bool or isinstance(value, torch.SymBool) or (_is_int(value) and value in (0, 1)):
+    value = _host_scalar(name, value)  # (numpy's bools and ints, and 0-d tensors, as Python's)
+    if type(value) is bool or isinstance(value, torch.SymBool) or (_is_int(value) and value in (0, 1)):
         return bool(value)
     raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
 
