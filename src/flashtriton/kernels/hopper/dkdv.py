@@ -47,6 +47,7 @@ from .primitives import (
     flat_view,
     give,
     halves,
+    keys_of,
     mma_layout,
     operand_layout,
     outside_band,
@@ -387,9 +388,8 @@ def attention_backward_dkdv_sm90_kernel(
     hk = pid_bh % hkv
     n0 = pid_n * KEYS
     bc, seq0, N, _ = sequence(CU_SEQLENS, b, N, VARLEN, flat_view(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc))
-    n_k = N_K
+    n_k = keys_of(N, N_K, VARLEN)
     if VARLEN:
-        n_k = N
         if n0 >= N:
             return
     kv = [bc, seq0 + n0, hk, 0]

@@ -37,6 +37,7 @@ from .primitives import (
     give,
     head_program,
     key_tiles,
+    keys_of,
     keys_past,
     last_first,
     mma_layout,
@@ -67,8 +68,8 @@ def _dq_step(dq, zero_s, q_smem, do_smem, kv_ring, j, first_row, rows, first_col
              window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr, RAGGED: gl.constexpr,
              MASK: gl.constexpr):  # fmt: skip
     """dQ += dS K for the key tile at ring position j (keys from first_col on, of n_k). MASK: 0, the tile needs no
-    mask; 1,
-    a causal band's may (a branch on whether it does); 2, it does (no branch: the stream's first tile, last_first)."""
+    mask; 1, a causal band's may (a branch on whether it does); 2, it does (no branch: the stream's first tile,
+    last_first)."""
     gl.static_assert(CAUSAL or not RAGGED or MASK != 1, "a ragged sequence without a band streams its last tile first")
     k, v = take(kv_ring, j)
     scores = warpgroup_mma(q_smem, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -168,9 +169,7 @@ def attention_backward_dq_sm90_kernel(
                                        flat_view(q_desc, k_desc, v_desc, do_desc, dq_desc), 2 * BLOCK_M)  # fmt: skip
     if m0 >= N:  # past the end of a shorter varlen sequence
         return
-    n_k = N_K
-    if VARLEN:
-        n_k = N
+    n_k = keys_of(N, N_K, VARLEN)
     q = [bc, seq0 + m0, h, 0]
 
     kv_ring = ring((tiles(k_desc, STAGES), tiles(v_desc, STAGES)), 2)
@@ -197,9 +196,8 @@ def attention_backward_dq_sm90_kernel(
             (_dq_consumer, (dq_out, q_bufs.index(1), do_bufs.index(1), kv_ring, q_bar, LSE + row + BLOCK_M,
                             (DELTA + out_row + BLOCK_M, LSE_ROWS + out_row + BLOCK_M), o + BLOCK_M * stride_om,
                             DLSE + row + BLOCK_M, stride_om, at(q, BLOCK_M), m0 + BLOCK_M, N, n_k, key0, n_tiles,
-                            qk_scale,
-                            softmax_scale, window_left, CAUSAL, LEFT, VARLEN, RAGGED, ROTATE, BLOCK_M, BLOCK_N, D,
-                            HEAD_D)),
+                            qk_scale, softmax_scale, window_left, CAUSAL, LEFT, VARLEN, RAGGED, ROTATE, BLOCK_M,
+                            BLOCK_N, D, HEAD_D)),
             (_dq_producer, (k_desc, v_desc, kv_ring, [bc, seq0 + key0, h // GROUP, 0], n_tiles, ROTATE, BLOCK_N)),
         ],
         [CONSUMER_WARPS, PRODUCER_WARPS],

@@ -47,6 +47,7 @@ from .primitives import (
     halves,
     key_tiles,
     keys_before,
+    keys_of,
     last_first,
     mma_layout,
     operand_layout,
@@ -163,9 +164,7 @@ def _forward_tile(e, schedule, n_m, N, N_K, H, CU_SEQLENS, window_left, CAUSAL: 
         r = e & 1
         is_tile = True  # every entry of the table is one
     m0, bc, seq0, n, lse0 = query_tile(pid_m, b, n_m, N, CU_SEQLENS, CAUSAL, VARLEN, FLAT, ROWS)
-    n_k = n
-    if not VARLEN:
-        n_k = N_K
+    n_k = keys_of(n, N_K, VARLEN)
     key0, n_tiles = key_tiles(m0, ROWS, n_k, window_left, CAUSAL, LEFT, BLOCK_N)
     valid = (m0 < n) & is_tile  # m0 < n: not past a shorter varlen sequence
     return valid, r, b, h, m0, n, n_k, bc, seq0, lse0, key0, n_tiles

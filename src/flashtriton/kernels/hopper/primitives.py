@@ -163,6 +163,16 @@ def rows_start(CU_SEQLENS, b, VARLEN: gl.constexpr):
 
 
 @gluon.jit
+def keys_of(n, N_K, VARLEN: gl.constexpr):
+    """The keys' length beside a sequence of n queries: varlen, n (queries and keys share cu_seqlens); dense, N_K (a
+    cross-attention's own, else N)."""
+    if VARLEN:
+        return n
+    else:
+        return N_K
+
+
+@gluon.jit
 def query_tile(
     pid_m, b, n_m, N, CU_SEQLENS, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, FLAT: gl.constexpr, ROWS: gl.constexpr
 ):
